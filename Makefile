@@ -1,0 +1,40 @@
+# The README's commands. Everything installs into .venv; nothing is needed but python3, pip, make.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+WORKDIR ?= runs/demo
+
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
+export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES ?= 0
+
+.PHONY: venv demo test lint format bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml setup.cfg
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(PY) -m experiments.train --config=experiments/configs/tiny_lm.py --workdir=$(WORKDIR)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) -m tools.run_benchmarks
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""decoupled_diloco: resilient, asynchronous, multi-island training in JAX."""

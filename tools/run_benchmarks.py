@@ -1,0 +1,67 @@
+"""Runs every `tools/bench_*.py` benchmark and collects their sections into benchmarks/RESULTS.md.
+
+Each benchmark is a module with a `main` that accepts `--out=PATH` and writes one Markdown section
+(its numbers and the exact command that produced them). Run one alone with
+`python -m tools.bench_<name> --out=benchmarks/results/<name>.md`, or all with `make bench`.
+Pass `--only=name1,name2` to rerun a subset; the other sections are kept from their last run.
+"""
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", default="", help="comma-separated benchmark names")
+    args = parser.parse_args()
+    names = sorted(p.stem[len("bench_") :] for p in (ROOT / "tools").glob("bench_*.py"))
+    chosen = [n for n in args.only.split(",") if n] or names
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        sys.exit(f"unknown benchmark(s) {unknown}; available: {names}")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name in chosen:
+        out = RESULTS_DIR / f"{name}.md"
+        cmd = [sys.executable, "-m", f"tools.bench_{name}", f"--out={out}"]
+        print(f"[bench] {' '.join(cmd)}", flush=True)
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+            failed.append(name)
+    sections = [
+        "# Benchmark results\n",
+        f"Collected by `make bench` (`python -m tools.run_benchmarks`) on "
+        f"{datetime.date.today().isoformat()}; machine: {_machine()}.\n"
+        "Each section names the command that produced it and the date it was run.\n",
+    ]
+    for name in names:
+        path = RESULTS_DIR / f"{name}.md"
+        if path.exists():
+            sections.append(path.read_text())
+    (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(sections))
+    print(f"[bench] wrote {ROOT / 'benchmarks' / 'RESULTS.md'}")
+    if failed:
+        sys.exit(f"benchmarks failed: {failed}")
+
+
+if __name__ == "__main__":
+    main()
