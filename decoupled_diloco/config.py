@@ -1,0 +1,284 @@
+"""Experiment configuration: frozen dataclasses, validated before anything is compiled.
+
+Config files under `experiments/configs/` return `as_config_dict(ExperimentConfig(...))` so that
+absl's `--config.X=...` overrides work (ml_collections cannot assign into frozen dataclasses);
+`from_config_dict` turns the overridden dict back into a frozen, validated `ExperimentConfig`.
+This module imports no JAX, so a syncer or a tool can load configs cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+MODES = ("dp", "diloco")
+MERGES = ("mean", "rda")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration field holds a value that cannot work; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer sizes."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_hidden: int = 512
+    seq_len: int = 128
+    tie_embeddings: bool = True
+    rope_base: float = 10_000.0
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Byte-level text data. `path` empty means the Python standard library sources."""
+
+    path: str = ""
+    batch_size: int = 16
+    val_fraction: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Inner optimizer: AdamW with linear warmup and cosine decay over `train_steps`."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    """Outer optimizer (SGD, optionally Nesterov momentum) and the merge of outer gradients."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    merge: str = "mean"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Each learner's device mesh: `shape` over axes (`data`, `model`)."""
+
+    shape: tuple[int, int] = (1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints every `every` inner steps (0 disables), keeping `max_to_keep`."""
+
+    every: int = 0
+    max_to_keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation every `every` inner steps on `batches` fixed validation batches."""
+
+    every: int = 100
+    batches: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole run. Field names are the `--config.X` flags."""
+
+    mode: str = "diloco"
+    num_learners: int = 2
+    inner_steps: int = 50
+    train_steps: int = 300
+    seed: int = 0
+    log_every: int = 10
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    outer: OuterConfig = OuterConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @property
+    def devices_per_learner(self) -> int:
+        """Devices one learner's mesh spans."""
+        return self.mesh.shape[0] * self.mesh.shape[1]
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens one learner consumes per inner step."""
+        return self.data.batch_size * self.model.seq_len
+
+
+def as_config_dict(config: ExperimentConfig) -> ml_collections.ConfigDict:
+    """Returns a ConfigDict mirroring `config`, for `config_flags.DEFINE_config_file`."""
+    return ml_collections.ConfigDict(dataclasses.asdict(config))
+
+
+def from_config_dict(values: Mapping[str, Any] | ml_collections.ConfigDict) -> ExperimentConfig:
+    """Builds a validated `ExperimentConfig` from a (possibly overridden) mapping.
+
+    Raises:
+      ConfigError: unknown field, wrong type, or a value that cannot work.
+    """
+    if isinstance(values, ml_collections.ConfigDict):
+        values = values.to_dict()
+    config = _build(ExperimentConfig, values, prefix="")
+    validate(config)
+    return config
+
+
+def replace(config: ExperimentConfig, **overrides: Any) -> ExperimentConfig:
+    """Returns a validated copy with dotted-path overrides, e.g. `replace(c, **{"outer.lr": 0.5})`."""
+    values = dataclasses.asdict(config)
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = values
+        for name in parents:
+            if not isinstance(node.get(name), dict):
+                raise ConfigError(f"config.{dotted}: no such field")
+            node = node[name]
+        if leaf not in node:
+            raise ConfigError(f"config.{dotted}: no such field")
+        node[leaf] = value
+    return from_config_dict(values)
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"config.{prefix}{unknown[0]}: no such field (known: {sorted(names)})")
+    kwargs = {}
+    for name, value in values.items():
+        hint = hints[name]
+        path = f"config.{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{path}: expected a group of fields, got {value!r}")
+            kwargs[name] = _build(hint, value, prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(hint, value, path)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, path: str) -> Any:
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a tuple, got {value!r}")
+        args = typing.get_args(hint)
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected {len(args)} values, got {tuple(value)!r}")
+        return tuple(_coerce(a, v, path) for a, v in zip(args, value, strict=True))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config.{field}: {message}")
+
+
+def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
+    """Checks every field that could only fail later, naming the field.
+
+    Args:
+      config: the configuration to check.
+      device_count: devices available to this process; when given, also checks that
+        `num_learners` meshes of `mesh.shape` fit on them.
+
+    Raises:
+      ConfigError: the first field that cannot work.
+    """
+    c, m = config, config.model
+    _check(c.mode in MODES, "mode", f"unknown mode {c.mode!r}; expected one of {MODES}")
+    _check(c.num_learners >= 1, "num_learners", f"must be >= 1, got {c.num_learners}")
+    _check(c.inner_steps >= 1, "inner_steps", f"H must be >= 1, got {c.inner_steps}")
+    _check(c.train_steps >= 1, "train_steps", f"must be >= 1, got {c.train_steps}")
+    _check(c.log_every >= 1, "log_every", f"must be >= 1, got {c.log_every}")
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_hidden", "seq_len"):
+        value = getattr(m, name)
+        _check(value >= 1, f"model.{name}", f"must be >= 1, got {value}")
+    _check(
+        m.d_model % m.num_heads == 0 and (m.d_model // m.num_heads) % 2 == 0,
+        "model.num_heads",
+        f"d_model {m.d_model} must split into {m.num_heads} heads of even size (rotary)",
+    )
+    _check(m.dtype in DTYPES, "model.dtype", f"unknown dtype {m.dtype!r}; expected one of {DTYPES}")
+    _check(c.data.batch_size >= 1, "data.batch_size", f"must be >= 1, got {c.data.batch_size}")
+    _check(
+        0.0 < c.data.val_fraction < 1.0,
+        "data.val_fraction",
+        f"must be in (0, 1), got {c.data.val_fraction}",
+    )
+    _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
+    _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    _check(0 <= c.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+    _check(c.outer.lr > 0, "outer.lr", f"must be > 0, got {c.outer.lr}")
+    _check(0 <= c.outer.momentum < 1, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}")
+    _check(
+        c.outer.merge in MERGES,
+        "outer.merge",
+        f"unknown merge {c.outer.merge!r}; expected one of {MERGES}",
+    )
+    data_axis, model_axis = c.mesh.shape
+    _check(data_axis >= 1 and model_axis >= 1, "mesh.shape", f"axes must be >= 1: {c.mesh.shape}")
+    _check(
+        c.data.batch_size % data_axis == 0,
+        "data.batch_size",
+        f"{c.data.batch_size} does not split over the mesh data axis of size {data_axis}",
+    )
+    for name in ("d_model", "mlp_hidden", "vocab_size"):
+        value = getattr(m, name)
+        _check(
+            value % model_axis == 0,
+            "mesh.shape",
+            f"model axis {model_axis} does not divide model.{name}={value}",
+        )
+    _check(
+        m.num_heads % model_axis == 0,
+        "mesh.shape",
+        f"model axis {model_axis} does not divide model.num_heads={m.num_heads}",
+    )
+    _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
+    _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
+    _check(c.eval.every >= 0, "eval.every", "must be >= 0 (0: evaluate only at the end)")
+    _check(c.eval.batches >= 1, "eval.batches", "must be >= 1")
+    if device_count is not None:
+        needed = c.num_learners * c.devices_per_learner
+        _check(
+            needed <= device_count,
+            "num_learners",
+            f"{c.num_learners} learners x mesh.shape {c.mesh.shape} need {needed} devices, "
+            f"but only {device_count} are available (on CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})",
+        )

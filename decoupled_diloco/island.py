@@ -1,0 +1,153 @@
+"""An island: one learner's device mesh, its shardings, and its jit-compiled inner step.
+
+Several islands can live in one process (tests, Colab, the synchronous modes) on disjoint
+device slices, so an island never sets a global mesh: every sharding is bound to its own mesh
+and `jax.set_mesh` is only entered inside its methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.model import Params, Transformer, lm_loss
+from decoupled_diloco.optim import make_inner_optimizer
+
+AXES = ("data", "model")
+
+
+class InnerState(NamedTuple):
+    """What an island's inner step updates: parameters and inner optimizer state."""
+
+    params: Params
+    opt_state: optax.OptState
+
+
+def make_island_mesh(shape: tuple[int, int], devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """A (`data`, `model`) mesh over exactly `devices`, with explicit Auto axis types.
+
+    Raises:
+      ValueError: the mesh shape does not match the number of devices.
+    """
+    if shape[0] * shape[1] != len(devices):
+        raise ValueError(f"config.mesh.shape {tuple(shape)} needs {shape[0] * shape[1]} devices, "
+                         f"got {len(devices)}")
+    auto = jax.sharding.AxisType.Auto
+    return jax.make_mesh(tuple(shape), AXES, axis_types=(auto, auto), devices=list(devices))
+
+
+class Island:
+    """One learner's mesh, shardings and compiled functions.
+
+    Args:
+      config: the experiment config (model, optimizer and batch sizes).
+      devices: this island's devices; must be `mesh_shape[0] * mesh_shape[1]` of them.
+      mesh_shape: (`data`, `model`) axis sizes; defaults to `config.mesh.shape`.
+      batch_size: sequences per inner step; defaults to `config.data.batch_size`.
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        devices: Sequence[jax.Device],
+        mesh_shape: tuple[int, int] | None = None,
+        batch_size: int | None = None,
+    ):
+        self.config = config
+        self.mesh = make_island_mesh(mesh_shape or config.mesh.shape, devices)
+        self.batch_size = batch_size or config.data.batch_size
+        self.tx = make_inner_optimizer(config)
+        with jax.set_mesh(self.mesh):
+            abstract_model = nnx.eval_shape(lambda: Transformer(config.model, nnx.Rngs(0)))
+        self.graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
+        specs = nnx.get_partition_spec(abstract_state).to_pure_dict()
+        self.replicated = NamedSharding(self.mesh, P())
+        self.param_sharding = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+        )
+        self.abstract_params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract_state.to_pure_dict(),
+            self.param_sharding,
+        )
+        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+        opt_sharding = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            abstract_opt,
+            self.param_sharding,
+            transform_non_params=lambda _: self.replicated,
+        )
+        self.state_sharding = InnerState(self.param_sharding, opt_sharding)
+        # Shapes, dtypes and shardings of the inner state: the target for checkpoint restores.
+        self.abstract_state = InnerState(
+            self.abstract_params,
+            jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                abstract_opt,
+                opt_sharding,
+            ),
+        )
+        self.batch_sharding = NamedSharding(self.mesh, P("data", None))
+        self.trace_count = 0
+        self._init = jax.jit(self._init_fn, out_shardings=self.state_sharding)
+        self._step = jax.jit(
+            self._step_fn,
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, self.replicated),
+            donate_argnums=(0,),
+        )
+        self._eval = jax.jit(
+            self._eval_fn,
+            in_shardings=(self.param_sharding, self.batch_sharding),
+            out_shardings=self.replicated,
+        )
+
+    def _init_fn(self, key: jax.Array) -> InnerState:
+        model = Transformer(self.config.model, nnx.Rngs(key))
+        params = nnx.split(model, nnx.Param)[1].to_pure_dict()
+        return InnerState(params, self.tx.init(params))
+
+    def _step_fn(self, state: InnerState, tokens_BT1: jax.Array) -> tuple[InnerState, jax.Array]:
+        self.trace_count += 1  # Runs only while tracing: counts compilations of the step.
+        loss, grads = jax.value_and_grad(lm_loss, argnums=1)(self.graphdef, state.params, tokens_BT1)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        return InnerState(optax.apply_updates(state.params, updates), opt_state), loss
+
+    def _eval_fn(self, params: Params, tokens_BT1: jax.Array) -> jax.Array:
+        return lm_loss(self.graphdef, params, tokens_BT1)
+
+    def init(self, seed: int) -> InnerState:
+        """Fresh parameters (same for the same seed on any mesh) and inner optimizer state."""
+        with jax.set_mesh(self.mesh):
+            return self._init(jax.random.key(seed))
+
+    def put_batch(self, tokens_BT1: np.ndarray) -> jax.Array:
+        """Moves a host batch onto this island's devices, split over the `data` axis."""
+        return jax.device_put(tokens_BT1, self.batch_sharding)
+
+    def step(self, state: InnerState, tokens_BT1: jax.Array | np.ndarray) -> tuple[InnerState, jax.Array]:
+        """One inner step. Donates `state`; returns the new state and the loss (on device)."""
+        if isinstance(tokens_BT1, np.ndarray):
+            tokens_BT1 = self.put_batch(tokens_BT1)
+        with jax.set_mesh(self.mesh):
+            return self._step(state, tokens_BT1)
+
+    def put_params(self, params: Params) -> Params:
+        """Places a parameter tree (host or any device) with this island's parameter shardings."""
+        return jax.device_put(params, self.param_sharding)
+
+    def evaluate(self, params: Params, batches: Sequence[np.ndarray]) -> float:
+        """Mean loss of `params` over fixed host `batches`."""
+        params = self.put_params(params)
+        with jax.set_mesh(self.mesh):
+            losses = [self._eval(params, self.put_batch(b)) for b in batches]
+        return float(np.mean(jax.device_get(losses)))

@@ -1,0 +1,67 @@
+"""Run outputs: `metrics.jsonl` (one JSON object per event), `summary.json`, progress lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Any, TextIO
+
+
+class MetricsWriter:
+    """Appends one JSON object per event to `workdir/metrics.jsonl`, flushed at once.
+
+    Appending (not truncating) keeps the history of a run that was stopped and resumed.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path):
+        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+
+    def write(self, **event: Any) -> None:
+        """Writes one event; non-finite floats become null so every line stays valid JSON."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in event.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Closes the file."""
+        self._file.close()
+
+
+def write_summary(workdir: str | pathlib.Path, summary: dict[str, Any]) -> pathlib.Path:
+    """Writes `workdir/summary.json` atomically (write, then rename)."""
+    path = pathlib.Path(workdir) / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+class Progress:
+    """One line per log event: step, loss, eval loss, throughput and time left."""
+
+    def __init__(self, label: str, total_steps: int, start_step: int = 0, out: TextIO = sys.stdout):
+        self.label, self.total, self.start_step, self.out = label, total_steps, start_step, out
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Seconds since the progress started."""
+        return time.perf_counter() - self.t0
+
+    def show(self, step: int, loss: float, tokens_per_s: float, eval_loss: float | None) -> None:
+        """Prints one progress line."""
+        done = step - self.start_step
+        left = (self.total - step) * self.elapsed() / done if done else float("nan")
+        eval_text = f" | eval {eval_loss:.3f}" if eval_loss is not None else ""
+        print(
+            f"[{self.label}] step {step}/{self.total} ({100 * step / self.total:3.0f}%) | "
+            f"loss {loss:.3f}{eval_text} | {tokens_per_s / 1e3:.1f}k tok/s | "
+            f"{self.elapsed():.0f}s elapsed, ~{left:.0f}s left",
+            file=self.out,
+            flush=True,
+        )
