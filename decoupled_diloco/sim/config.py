@@ -1,8 +1,8 @@
 """Inputs of the goodput simulator: one frozen dataclass, with the paper's setting as defaults.
 
-The paper (arXiv 2604.21428) names the simulator's knobs but not their values. Every default below is
-either taken from the paper or chosen once, for all chip counts and all systems, to reproduce its
-goodput table; `docs/simulator.md` gives the reason for each. Times are in seconds.
+The paper (arXiv 2604.21428) names the simulator's knobs but not their values. Every default
+below is either taken from the paper or chosen once, for all chip counts and all systems, to
+reproduce its goodput table; `docs/simulator.md` gives the reason for each. Times are in seconds.
 """
 
 import dataclasses
@@ -27,9 +27,11 @@ class SimConfig:
         total_tokens: Token budget of the run (paper: 1T).
         tokens_per_step: Global batch in tokens when every slice is up.
         step_s: Time of one step of a full-size group on mean-speed chips.
-        startup_s: Fixed start-up cost (scheduling, compile, first restore) paid once by every system.
+        startup_s: Fixed start-up cost (scheduling, compile, first restore), paid once by every
+            system.
         checkpoint_s: Blocking cost of one DP checkpoint.
-        checkpoint_every_steps: DP checkpoint interval; 0 picks Daly's optimum for this failure rate.
+        checkpoint_every_steps: DP checkpoint interval; 0 picks Daly's optimum for this failure
+            rate.
         restart_s: DP restart after a failure (swap in a spare slice, re-initialise, restore).
         downscale_s: Pause of an elastic group (whole elastic DP job, or one learner) that drops a
             failed slice and re-forms its mesh.
@@ -59,8 +61,8 @@ class SimConfig:
     checkpoint_s: float = 0.5
     checkpoint_every_steps: int = 0
     restart_s: float = 45.0
-    downscale_s: float = 8.0
-    upscale_s: float = 9.5
+    downscale_s: float = 4.0
+    upscale_s: float = 14.0
     num_learners: int = 8
     quorum: int = 1
     sync_every_steps: int = 24

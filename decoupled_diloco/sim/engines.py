@@ -86,7 +86,9 @@ def simulate_dp(cfg: SimConfig, schedule: FailureSchedule) -> SystemResult:
     rolled_back_steps = 0.0
     while True:
         remaining = cfg.total_steps - committed
-        finish = t + remaining * step_s + max(0, math.ceil(remaining / every) - 1) * cfg.checkpoint_s
+        finish = (
+            t + remaining * step_s + max(0, math.ceil(remaining / every) - 1) * cfg.checkpoint_s
+        )
         fail = float(times[idx]) if idx < times.size else math.inf
         if finish <= fail:
             if finish > schedule.horizon_s:
@@ -170,9 +172,7 @@ def simulate_group(
     per_slice_rate = 1.0 / (cfg.num_slices * slowdown)  # ideal seconds per second per slice
     upscale_s = cfg.upscale_switch_s if cfg.background_upscale else cfg.upscale_s
     # Rounds close without this learner only if the others can make quorum; with M = 1 they wait.
-    charge_stale = (
-        is_learner and not cfg.salvage_on_failure and cfg.num_learners - 1 >= cfg.quorum
-    )
+    charge_stale = is_learner and not cfg.salvage_on_failure and cfg.num_learners - 1 >= cfg.quorum
     down_until = [0.0] * group_slices
     returns: collections.deque[float] = collections.deque()  # fixed return time => FIFO order
     up = group_slices
@@ -195,7 +195,7 @@ def simulate_group(
             running, run_start, t = True, paused_until, paused_until
             rate = up * per_slice_rate
             bp_t.append(t), bp_w.append(work), bp_r.append(rate)
-        if te > horizon_s:
+        if te > horizon_s or te == math.inf:
             break
         if running:
             work += rate * (te - t)
@@ -252,7 +252,9 @@ def _finish_time(traces: list[GroupTrace], budget: float, horizon_s: float) -> f
         value += tr.work[k] + tr.rate[k] * (grid - tr.t[k])
         slope += tr.rate[k]
     seg_end = np.append(grid[1:], horizon_s)
-    reached = value + slope * (seg_end - grid) >= budget * (1.0 - 1e-12)
+    # 0 * inf would be nan: a flat last segment reaches nothing more.
+    gain = np.where(slope > 0, slope * (seg_end - grid), 0.0)
+    reached = value + gain >= budget * (1.0 - 1e-12)
     if not reached.any():
         raise HorizonTooShortError
     q = int(np.argmax(reached))

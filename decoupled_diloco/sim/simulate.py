@@ -123,7 +123,6 @@ def goodput_from_schedule(
         The simulated result; `goodput` is comparable to the chaos run's measured goodput.
     """
     reconfigure_s = rejoin_s if reconfigure_s is None else reconfigure_s
-    is_dp = system == "dp"
     cfg = SimConfig(
         num_chips=num_learners,
         slice_chips=1,
@@ -133,7 +132,9 @@ def goodput_from_schedule(
         step_s=step_s,
         startup_s=startup_s,
         checkpoint_s=checkpoint_s,
-        checkpoint_every_steps=checkpoint_every_steps if checkpoint_every_steps > 0 else total_steps,
+        checkpoint_every_steps=checkpoint_every_steps
+        if checkpoint_every_steps > 0
+        else total_steps,
         restart_s=restart_s + rejoin_s,
         # A learner process has no slice left when killed: it is away until it is back
         # (slice_return_s) and re-added (upscale_s); elastic survivors pause reconfigure_s.
@@ -146,5 +147,4 @@ def goodput_from_schedule(
     for _, learner in failures:
         if not 0 <= learner < num_learners:
             raise ValueError(f"learner {learner} out of range [0, {num_learners})")
-    del is_dp
     return run_on_schedule(cfg, system, explicit_schedule(list(failures)))
