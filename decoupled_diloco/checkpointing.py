@@ -79,7 +79,10 @@ class IslandCheckpointer:
             except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is skipped.
                 logging.error(
                     "checkpoint %s/%d is unreadable (%s: %s); trying the previous one",
-                    self.directory, step, type(error).__name__, str(error).splitlines()[0][:300],
+                    self.directory,
+                    step,
+                    type(error).__name__,
+                    str(error).splitlines()[0][:300],
                 )
                 continue
             return step, state, meta

@@ -142,7 +142,7 @@ def from_config_dict(values: Mapping[str, Any] | ml_collections.ConfigDict) -> E
 
 
 def replace(config: ExperimentConfig, **overrides: Any) -> ExperimentConfig:
-    """Returns a validated copy with dotted-path overrides, e.g. `replace(c, **{"outer.lr": 0.5})`."""
+    """A validated copy with dotted-path overrides, e.g. `replace(c, **{"outer.lr": 0.5})`."""
     values = dataclasses.asdict(config)
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
@@ -244,7 +244,9 @@ def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
     _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
     _check(0 <= c.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
     _check(c.outer.lr > 0, "outer.lr", f"must be > 0, got {c.outer.lr}")
-    _check(0 <= c.outer.momentum < 1, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}")
+    _check(
+        0 <= c.outer.momentum < 1, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}"
+    )
     _check(
         c.outer.merge in MERGES,
         "outer.merge",

@@ -113,7 +113,9 @@ class TokenWindows:
     def __repr__(self) -> str:
         # grain compares sources by repr when restoring an iterator: keep it stable and specific.
         digest = zlib.crc32(self._tokens_N.tobytes())
-        return f"TokenWindows(tokens={len(self._tokens_N)}, crc32={digest}, seq_len={self._seq_len})"
+        return (
+            f"TokenWindows(tokens={len(self._tokens_N)}, crc32={digest}, seq_len={self._seq_len})"
+        )
 
 
 def learner_dataset(
@@ -130,7 +132,8 @@ def learner_dataset(
     if len(shard) < batch_size:
         raise ValueError(
             f"config.data.batch_size: learner {learner_id} has {len(shard)} windows of "
-            f"{seq_len} tokens, fewer than one batch of {batch_size}; use more text or fewer learners"
+            f"{seq_len} tokens, fewer than one batch of {batch_size}; "
+            "use more text or fewer learners"
         )
     return shard.shuffle(seed=seed + learner_id).repeat().batch(batch_size, drop_remainder=True)
 

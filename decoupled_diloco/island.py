@@ -8,7 +8,7 @@ and `jax.set_mesh` is only entered inside its methods.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -38,8 +38,10 @@ def make_island_mesh(shape: tuple[int, int], devices: Sequence[jax.Device]) -> j
       ValueError: the mesh shape does not match the number of devices.
     """
     if shape[0] * shape[1] != len(devices):
-        raise ValueError(f"config.mesh.shape {tuple(shape)} needs {shape[0] * shape[1]} devices, "
-                         f"got {len(devices)}")
+        raise ValueError(
+            f"config.mesh.shape {tuple(shape)} needs {shape[0] * shape[1]} devices, "
+            f"got {len(devices)}"
+        )
     auto = jax.sharding.AxisType.Auto
     return jax.make_mesh(tuple(shape), AXES, axis_types=(auto, auto), devices=list(devices))
 
@@ -68,14 +70,14 @@ class Island:
         with jax.set_mesh(self.mesh):
             abstract_model = nnx.eval_shape(lambda: Transformer(config.model, nnx.Rngs(0)))
         self.graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
-        specs = nnx.get_partition_spec(abstract_state).to_pure_dict()
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
         self.replicated = NamedSharding(self.mesh, P())
         self.param_sharding = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
         )
         self.abstract_params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            abstract_state.to_pure_dict(),
+            nnx.to_pure_dict(abstract_state),
             self.param_sharding,
         )
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
@@ -113,12 +115,14 @@ class Island:
 
     def _init_fn(self, key: jax.Array) -> InnerState:
         model = Transformer(self.config.model, nnx.Rngs(key))
-        params = nnx.split(model, nnx.Param)[1].to_pure_dict()
+        params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
         return InnerState(params, self.tx.init(params))
 
     def _step_fn(self, state: InnerState, tokens_BT1: jax.Array) -> tuple[InnerState, jax.Array]:
         self.trace_count += 1  # Runs only while tracing: counts compilations of the step.
-        loss, grads = jax.value_and_grad(lm_loss, argnums=1)(self.graphdef, state.params, tokens_BT1)
+        loss, grads = jax.value_and_grad(lm_loss, argnums=1)(
+            self.graphdef, state.params, tokens_BT1
+        )
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         return InnerState(optax.apply_updates(state.params, updates), opt_state), loss
 
@@ -134,7 +138,9 @@ class Island:
         """Moves a host batch onto this island's devices, split over the `data` axis."""
         return jax.device_put(tokens_BT1, self.batch_sharding)
 
-    def step(self, state: InnerState, tokens_BT1: jax.Array | np.ndarray) -> tuple[InnerState, jax.Array]:
+    def step(
+        self, state: InnerState, tokens_BT1: jax.Array | np.ndarray
+    ) -> tuple[InnerState, jax.Array]:
         """One inner step. Donates `state`; returns the new state and the loss (on device)."""
         if isinstance(tokens_BT1, np.ndarray):
             tokens_BT1 = self.put_batch(tokens_BT1)

@@ -23,8 +23,10 @@ class MetricsWriter:
 
     def write(self, **event: Any) -> None:
         """Writes one event; non-finite floats become null so every line stays valid JSON."""
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in event.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in event.items()
+        }
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 

@@ -27,9 +27,7 @@ def _init(spec: tuple[str | None, ...], std: float = _INIT_STD) -> nnx.Initializ
 
 
 def _linear(d_in: int, d_out: int, spec: tuple, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(
-        d_in, d_out, use_bias=False, kernel_init=_init(spec), dtype=dtype, rngs=rngs
-    )
+    return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=_init(spec), dtype=dtype, rngs=rngs)
 
 
 def rotary(x_BTNH: jax.Array, base: float) -> jax.Array:
@@ -53,6 +51,7 @@ class Attention(nnx.Module):
         self.out = _linear(cfg.d_model, cfg.d_model, ("model", None), dtype, rngs)
 
     def __call__(self, x_ND: jax.Array, batch: int) -> jax.Array:
+        """Attends within each of the `batch` sequences of flattened tokens `x_ND`."""
         tokens, d_model = x_ND.shape
         seq_len, head_dim = tokens // batch, d_model // self.num_heads
         qkv = self.qkv(x_ND).reshape(batch, seq_len, 3, self.num_heads, head_dim)
@@ -72,6 +71,7 @@ class SwiGLU(nnx.Module):
         self.down = _linear(cfg.mlp_hidden, cfg.d_model, ("model", None), dtype, rngs)
 
     def __call__(self, x_ND: jax.Array) -> jax.Array:
+        """Applies the gated MLP to each token."""
         return self.down(jax.nn.silu(self.gate(x_ND)) * self.up(x_ND))
 
 
@@ -86,6 +86,7 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(cfg, rngs)
 
     def __call__(self, x_ND: jax.Array, batch: int) -> jax.Array:
+        """Residual attention, then residual MLP."""
         x_ND = x_ND + self.attn(self.attn_norm(x_ND), batch)
         return x_ND + self.mlp(self.mlp_norm(x_ND))
 
@@ -111,6 +112,7 @@ class Transformer(nnx.Module):
         )
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        """Logits (B, T, V) for token ids (B, T)."""
         batch, seq_len = tokens_BT.shape
         # Activations stay 2-D (N = B*T tokens): XLA:CPU runs dots with one contracting
         # dimension as fast GEMMs, but ones contracting over (B, T) in the backward pass

@@ -108,7 +108,9 @@ def merge(
     return jax.tree.map_with_path(leaf, *deltas)
 
 
-def make_outer_optimizer(lr: float, momentum: float, nesterov: bool) -> optax.GradientTransformation:
+def make_outer_optimizer(
+    lr: float, momentum: float, nesterov: bool
+) -> optax.GradientTransformation:
     """The outer optimizer: SGD with (optionally Nesterov) momentum, as in DiLoCo (0.7 / 0.9)."""
     return optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov)
 

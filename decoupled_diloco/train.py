@@ -107,7 +107,9 @@ def train_and_evaluate(
             now = time.perf_counter()
             tokens_per_s = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
             t_log, step_log = now, step
-            progress.show(step, float(np.mean(learner_losses)), tokens_per_s, event.get("eval_loss"))
+            progress.show(
+                step, float(np.mean(learner_losses)), tokens_per_s, event.get("eval_loss")
+            )
             if writer:
                 writer.write(
                     step=step,
@@ -140,8 +142,12 @@ def train_and_evaluate(
         "final_train_loss": float(np.mean(jax.device_get(losses))) if losses else None,
         "outer_syncs": trainer.syncs,
         "params": count_params(params),
-        "corpus": {"root": corpus.root, "files": corpus.num_files,
-                   "train_tokens": len(corpus.train_BN), "val_tokens": len(corpus.val_BN)},
+        "corpus": {
+            "root": corpus.root,
+            "files": corpus.num_files,
+            "train_tokens": len(corpus.train_BN),
+            "val_tokens": len(corpus.val_BN),
+        },
         "config": dataclasses.asdict(config),
     }
     if writer:

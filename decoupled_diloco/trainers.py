@@ -106,9 +106,7 @@ class DiLoCoTrainer:
         self.anchor = jax.device_get(self.states[0].params)
         self.outer_state = jax.device_get(self.outer_tx.init(self.anchor))
         self._outer_round = jax.jit(
-            functools.partial(
-                _outer_round, self.outer_tx, config.outer.merge
-            )
+            functools.partial(_outer_round, self.outer_tx, config.outer.merge)
         )
         self.checkpointers = (
             [
@@ -157,7 +155,9 @@ class DiLoCoTrainer:
         island = self.islands[i]
         with_sharding = functools.partial(
             jax.tree.map,
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=island.replicated),
+            lambda x: jax.ShapeDtypeStruct(
+                np.shape(x), np.asarray(x).dtype, sharding=island.replicated
+            ),
         )
         return {
             "inner": island.abstract_state,

@@ -30,6 +30,7 @@ def _ensure_cpu_devices(needed: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Parses the config, fakes CPU devices if needed, and runs `train_and_evaluate`."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:

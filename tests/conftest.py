@@ -9,3 +9,33 @@ _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import pytest  # noqa: E402
+
+from decoupled_diloco import config as config_lib  # noqa: E402
+
+
+def tiny_config(**overrides) -> config_lib.ExperimentConfig:
+    """A model small enough that a test step costs milliseconds."""
+    base = config_lib.ExperimentConfig(
+        mode="diloco",
+        num_learners=2,
+        inner_steps=4,
+        train_steps=8,
+        seed=0,
+        log_every=4,
+        model=config_lib.ModelConfig(
+            vocab_size=256, d_model=32, num_layers=1, num_heads=2, mlp_hidden=64, seq_len=32
+        ),
+        data=config_lib.DataConfig(batch_size=8),
+        optim=config_lib.OptimConfig(lr=3e-3, warmup_steps=2),
+        eval=config_lib.EvalConfig(every=4, batches=2),
+    )
+    return config_lib.replace(base, **overrides) if overrides else base
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    from decoupled_diloco import data
+
+    return data.load_corpus()
