@@ -1,0 +1,98 @@
+"""Quality: `diloco` against `dp` at equal total tokens on the default corpus (tiny_lm).
+
+  python -m tools.bench_quality --out=benchmarks/results/quality.md [--short_only]
+
+Every run is a real `python -m experiments.train` process on the same data, seed and token
+budget; the final eval loss comes from its `summary.json` (32 fixed validation batches, the
+same for every mode). The section is rewritten after each run, so a stopped benchmark keeps
+what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+COMMON = [
+    "--config=experiments/configs/tiny_lm.py",
+    "--config.eval.batches=32",
+    "--config.eval.every=500",
+    "--config.checkpoint.every=0",
+    "--config.log_every=100",
+]
+SHORT = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
+LONG = {"num_learners": 4, "inner_steps": 50, "train_steps": 2000}
+OUTER_LRS = (0.5, 0.7, 1.0)
+
+
+def run(name: str, mode: str, setting: dict, outer_lr: float, workroot: pathlib.Path) -> dict:
+    """Runs one training process and returns its summary."""
+    workdir = workroot / name
+    args = [*COMMON, f"--config.mode={mode}", f"--config.outer.lr={outer_lr}"]
+    args += [f"--config.{k}={v}" for k, v in setting.items()]
+    cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *args]
+    print("[bench_quality]", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    summary = json.loads((workdir / "summary.json").read_text())
+    summary["command"] = "python " + " ".join(cmd[1:]).replace(str(workroot), "runs/bench")
+    return summary
+
+
+def render(results: dict[str, dict], started: str) -> str:
+    """The Markdown section for the runs done so far."""
+    lines = [
+        "## Quality: `diloco` vs `dp` at equal tokens (foundation issue)",
+        "",
+        f"Command: `python -m tools.bench_quality` (started {started}). tiny_lm on the default "
+        "corpus (Python stdlib), seed 0, AdamW 3e-3 warmup+cosine, outer Nesterov momentum 0.9; "
+        "final eval loss over 32 fixed validation batches of 16 x 128 tokens (65,536 tokens).",
+        "",
+        "| run | mode | M | H | steps/learner | tokens | outer lr | final eval loss | "
+        "ratio to dp | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in results.items():
+        dp = results.get(name.split(":")[0] + ":dp")
+        ratio = s["final_eval_loss"] / dp["final_eval_loss"] if dp else float("nan")
+        lr = s["config"]["outer"]["lr"] if s["mode"] != "dp" else "-"
+        lines.append(
+            f"| {name} | {s['mode']} | {s['num_learners']} | {s['inner_steps']} | "
+            f"{s['train_steps']} | {s['tokens']:,} | {lr} | {s['final_eval_loss']:.4f} | "
+            f"{ratio:.4f} | {s['wall_s']:.0f} |"
+        )
+    lines += ["", "Commands of each run:", ""]
+    lines += [f"- {name}: `{s['command']}`" for name, s in results.items()]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results/quality.md")
+    parser.add_argument("--short_only", action="store_true", help="skip the 2,000-step runs")
+    parser.add_argument("--workroot", default=str(ROOT / "runs" / "bench"))
+    args = parser.parse_args()
+    out, workroot = pathlib.Path(args.out), pathlib.Path(args.workroot)
+    started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    plan = [("short:dp", "dp", SHORT, 0.7), ("short:diloco", "diloco", SHORT, 0.7)]
+    if not args.short_only:
+        plan.append(("long:dp", "dp", LONG, 0.7))
+        plan += [(f"long:diloco lr={lr}", "diloco", LONG, lr) for lr in OUTER_LRS]
+    results: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    for name, mode, setting, lr in plan:
+        results[name] = run(name.replace(":", "_").replace(" ", "_"), mode, setting, lr, workroot)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render(results, started))
+    print(render(results, started))
+    print(f"[bench_quality] total {time.perf_counter() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
