@@ -8,6 +8,8 @@ from decoupled_diloco.sim.config import SYSTEMS, SimConfig
 from decoupled_diloco.sim.engines import ENGINES, HorizonTooShortError, SystemResult
 from decoupled_diloco.sim.failures import FailureSchedule, explicit_schedule, poisson_schedule
 
+MAX_HORIZON_FACTOR = 1000.0  # give up when a run would take 1000x its failure-free time
+
 
 def run_on_schedule(cfg: SimConfig, system: str, schedule: FailureSchedule) -> SystemResult:
     """Runs one system on a given schedule.
@@ -34,6 +36,9 @@ def simulate(cfg: SimConfig, systems: Iterable[str] = SYSTEMS) -> dict[str, Syst
 
     Returns:
         Results keyed by system name.
+
+    Raises:
+        ValueError: If some system would need more than 1000x the ideal time (goodput < 0.1%).
     """
     systems = list(systems)
     worst = min(max(estimate_goodput(cfg, s), 0.02) for s in systems)
@@ -47,6 +52,12 @@ def simulate(cfg: SimConfig, systems: Iterable[str] = SYSTEMS) -> dict[str, Syst
                 break
             except HorizonTooShortError:
                 horizon *= 2.0
+                if horizon > MAX_HORIZON_FACTOR * cfg.ideal_s + cfg.startup_s:
+                    # Why a cap: a system that (almost) never finishes would double the schedule
+                    # until memory runs out; below 0.1% goodput the number is meaningless anyway.
+                    raise ValueError(
+                        f"{system} has goodput below {1 / MAX_HORIZON_FACTOR:.1%} for {cfg}"
+                    ) from None
                 schedule = poisson_schedule(cfg, horizon)
     return results
 
