@@ -28,7 +28,7 @@ COMMON = [
 ]
 SHORT = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
 LONG = {"num_learners": 4, "inner_steps": 50, "train_steps": 2000}
-OUTER_LRS = (0.5, 0.7, 1.0)
+OUTER_LRS = (0.7, 1.0, 0.5)  # 0.7 (the DiLoCo default) first: a stopped sweep keeps it
 
 
 def run(name: str, mode: str, setting: dict, outer_lr: float, workroot: pathlib.Path) -> dict:

@@ -1,0 +1,17 @@
+"""The README's Python example runs as written."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README has no python example"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["result"].summary["final_eval_loss"] < 5.5
+    assert (tmp_path / "runs" / "api" / "summary.json").exists()
