@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-MODES = ("dp", "diloco")
+MODES = ("dp", "diloco", "decoupled")
 MERGES = ("mean", "rda")
 DTYPES = ("float32", "bfloat16")
 
@@ -95,6 +95,50 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncerConfig:
+    """The syncer process: address, admission, transport limits and timing.
+
+    `token` is the run token every RPC must carry; empty means "read `DD_RUN_TOKEN` from the
+    environment" (the launcher sets a random one, so it never shows up on a command line).
+    `tls_cert`/`tls_key` (PEM paths) switch the server to TLS; learners then trust `tls_cert`.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    chunk_bytes: int = 1 << 20
+    max_push_bytes: int = 1 << 30
+    rpc_timeout_s: float = 60.0
+    retries: int = 5
+    heartbeat_s: float = 0.5
+    learner_timeout_s: float = 30.0
+    max_grace_s: float = 2.0
+    max_staleness: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoupledConfig:
+    """Decoupled DiLoCo: fragments, overlap, quorum, merge-back and heterogeneity knobs.
+
+    `mesh_shapes` gives each learner its own mesh, e.g. "1x1,2x1" (empty: all use `mesh.shape`).
+    `slow_learner` (-1: none) runs `slowdown` times slower, standing in for older hardware.
+    """
+
+    fragments: int = 2
+    overlap_steps: int = 1
+    quorum: int = 1
+    alpha: float = 0.0
+    grace_safety: float = 0.5
+    ema_decay: float = 0.8
+    mesh_shapes: str = ""
+    slow_learner: int = -1
+    slowdown: float = 1.0
+    syncer: SyncerConfig = SyncerConfig()
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """A whole run. Field names are the `--config.X` flags."""
 
@@ -111,6 +155,7 @@ class ExperimentConfig:
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    decoupled: DecoupledConfig = DecoupledConfig()
 
     @property
     def devices_per_learner(self) -> int:
@@ -121,6 +166,30 @@ class ExperimentConfig:
     def tokens_per_step(self) -> int:
         """Training tokens one learner consumes per inner step."""
         return self.data.batch_size * self.model.seq_len
+
+
+def parse_mesh_shapes(config: ExperimentConfig) -> list[tuple[int, int]]:
+    """Each learner's (`data`, `model`) mesh shape: `decoupled.mesh_shapes`, else `mesh.shape`.
+
+    Raises:
+      ConfigError: a malformed list or one whose length is not `num_learners`.
+    """
+    text = config.decoupled.mesh_shapes.strip()
+    if not text:
+        return [tuple(config.mesh.shape)] * config.num_learners
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ConfigError(
+                f"config.decoupled.mesh_shapes: {item!r} is not DATAxMODEL (e.g. 2x1)"
+            )
+        shapes.append((int(parts[0]), int(parts[1])))
+    if len(shapes) != config.num_learners:
+        raise ConfigError(
+            f"config.decoupled.mesh_shapes: {len(shapes)} shapes for {config.num_learners} learners"
+        )
+    return shapes
 
 
 def as_config_dict(config: ExperimentConfig) -> ml_collections.ConfigDict:
@@ -208,6 +277,45 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise ConfigError(f"config.{field}: {message}")
 
 
+def _validate_decoupled(c: ExperimentConfig) -> None:
+    d, s = c.decoupled, c.decoupled.syncer
+    _check(d.fragments >= 1, "decoupled.fragments", f"must be >= 1, got {d.fragments}")
+    _check(
+        d.fragments <= c.inner_steps,
+        "decoupled.fragments",
+        f"{d.fragments} fragments cannot be staggered over H={c.inner_steps} steps (need P <= H)",
+    )
+    _check(
+        0 <= d.overlap_steps < c.inner_steps,
+        "decoupled.overlap_steps",
+        f"tau must be in [0, H={c.inner_steps}), got {d.overlap_steps}",
+    )
+    _check(
+        1 <= d.quorum <= c.num_learners,
+        "decoupled.quorum",
+        f"K must be in [1, num_learners={c.num_learners}], got {d.quorum}",
+    )
+    _check(0 <= d.alpha < 1, "decoupled.alpha", f"must be in [0, 1), got {d.alpha}")
+    _check(0 <= d.grace_safety <= 1, "decoupled.grace_safety", "gamma must be in [0, 1]")
+    _check(0 <= d.ema_decay < 1, "decoupled.ema_decay", "must be in [0, 1)")
+    _check(
+        d.slow_learner < c.num_learners,
+        "decoupled.slow_learner",
+        f"no learner {d.slow_learner} among {c.num_learners}",
+    )
+    _check(d.slowdown >= 1, "decoupled.slowdown", f"must be >= 1, got {d.slowdown}")
+    _check(0 <= s.port < 65536, "decoupled.syncer.port", f"not a port: {s.port}")
+    _check(bool(s.tls_cert) == bool(s.tls_key), "decoupled.syncer.tls_key", "set both or neither")
+    _check(s.chunk_bytes >= 1024, "decoupled.syncer.chunk_bytes", "must be >= 1024")
+    _check(s.max_push_bytes >= 1, "decoupled.syncer.max_push_bytes", "must be >= 1")
+    _check(s.rpc_timeout_s > 0, "decoupled.syncer.rpc_timeout_s", "must be > 0")
+    _check(s.retries >= 0, "decoupled.syncer.retries", "must be >= 0")
+    _check(s.heartbeat_s > 0, "decoupled.syncer.heartbeat_s", "must be > 0")
+    _check(s.learner_timeout_s > 0, "decoupled.syncer.learner_timeout_s", "must be > 0")
+    _check(s.max_grace_s >= 0, "decoupled.syncer.max_grace_s", "must be >= 0")
+    _check(s.max_staleness >= 0, "decoupled.syncer.max_staleness", "must be >= 0")
+
+
 def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
     """Checks every field that could only fail later, naming the field.
 
@@ -252,30 +360,32 @@ def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
         "outer.merge",
         f"unknown merge {c.outer.merge!r}; expected one of {MERGES}",
     )
-    data_axis, model_axis = c.mesh.shape
-    _check(data_axis >= 1 and model_axis >= 1, "mesh.shape", f"axes must be >= 1: {c.mesh.shape}")
-    _check(
-        c.data.batch_size % data_axis == 0,
-        "data.batch_size",
-        f"{c.data.batch_size} does not split over the mesh data axis of size {data_axis}",
-    )
-    for name in ("d_model", "mlp_hidden", "vocab_size"):
-        value = getattr(m, name)
+    shapes = [c.mesh.shape] + (parse_mesh_shapes(c) if c.mode == "decoupled" else [])
+    field = "decoupled.mesh_shapes" if c.decoupled.mesh_shapes else "mesh.shape"
+    for data_axis, model_axis in shapes:
         _check(
-            value % model_axis == 0,
-            "mesh.shape",
-            f"model axis {model_axis} does not divide model.{name}={value}",
+            data_axis >= 1 and model_axis >= 1,
+            field,
+            f"axes must be >= 1: {(data_axis, model_axis)}",
         )
-    _check(
-        m.num_heads % model_axis == 0,
-        "mesh.shape",
-        f"model axis {model_axis} does not divide model.num_heads={m.num_heads}",
-    )
+        _check(
+            c.data.batch_size % data_axis == 0,
+            "data.batch_size",
+            f"{c.data.batch_size} does not split over the mesh data axis of size {data_axis}",
+        )
+        for name in ("d_model", "mlp_hidden", "vocab_size", "num_heads"):
+            value = getattr(m, name)
+            _check(
+                value % model_axis == 0,
+                field,
+                f"model axis {model_axis} does not divide model.{name}={value}",
+            )
+    _validate_decoupled(c)
     _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", "must be >= 0 (0: evaluate only at the end)")
     _check(c.eval.batches >= 1, "eval.batches", "must be >= 1")
-    if device_count is not None:
+    if device_count is not None and c.mode != "decoupled":  # decoupled: one process each
         needed = c.num_learners * c.devices_per_learner
         _check(
             needed <= device_count,
