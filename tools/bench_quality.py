@@ -28,18 +28,28 @@ COMMON = [
 ]
 SHORT = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
 LONG = {"num_learners": 4, "inner_steps": 50, "train_steps": 2000}
-OUTER_LRS = (0.7, 1.0, 0.5)  # 0.7 (the DiLoCo default) first: a stopped sweep keeps it
+# Outer optimizer settings (lr, momentum, nesterov) swept for `diloco`: the DiLoCo default
+# (0.7, 0.9, Nesterov), plain averaging (FedAvg: lr 1, no momentum) and a lighter momentum.
+OUTER = ((0.7, 0.9, True), (1.0, 0.0, False), (0.7, 0.5, True))
 
 
-def run(name: str, mode: str, setting: dict, outer_lr: float, workroot: pathlib.Path) -> dict:
-    """Runs one training process and returns its summary."""
-    workdir = workroot / name
-    args = [*COMMON, f"--config.mode={mode}", f"--config.outer.lr={outer_lr}"]
+def run(name: str, mode: str, setting: dict, outer_cfg: tuple, workroot: pathlib.Path) -> dict:
+    """Runs one training process (or reuses its finished output) and returns its summary."""
+    workdir = workroot / name.replace(":", "_").replace(" ", "_")
+    lr, momentum, nesterov = outer_cfg
+    args = [*COMMON, f"--config.mode={mode}", f"--config.outer.lr={lr}"]
+    args += [f"--config.outer.momentum={momentum}", f"--config.outer.nesterov={nesterov}"]
     args += [f"--config.{k}={v}" for k, v in setting.items()]
     cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *args]
-    print("[bench_quality]", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads((workdir / "summary.json").read_text())
+    summary_path = workdir / "summary.json"
+    done = (
+        summary_path.exists()
+        and json.loads(summary_path.read_text())["steps_done"] == (setting["train_steps"])
+    )
+    print("[bench_quality]", "reusing" if done else "running", " ".join(cmd[1:]), flush=True)
+    if not done:  # A finished run of the same command is reused; delete its dir to rerun.
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    summary = json.loads(summary_path.read_text())
     summary["command"] = "python " + " ".join(cmd[1:]).replace(str(workroot), "runs/bench")
     return summary
 
@@ -53,14 +63,16 @@ def render(results: dict[str, dict], started: str) -> str:
         "corpus (Python stdlib), seed 0, AdamW 3e-3 warmup+cosine, outer Nesterov momentum 0.9; "
         "final eval loss over 32 fixed validation batches of 16 x 128 tokens (65,536 tokens).",
         "",
-        "| run | mode | M | H | steps/learner | tokens | outer lr | final eval loss | "
+        "| run | mode | M | H | steps/learner | tokens | outer lr / momentum / nesterov | "
+        "final eval loss | "
         "ratio to dp | wall s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in results.items():
         dp = results.get(name.split(":")[0] + ":dp")
         ratio = s["final_eval_loss"] / dp["final_eval_loss"] if dp else float("nan")
-        lr = s["config"]["outer"]["lr"] if s["mode"] != "dp" else "-"
+        o = s["config"]["outer"]
+        lr = f"{o['lr']} / {o['momentum']} / {o['nesterov']}" if s["mode"] != "dp" else "-"
         lines.append(
             f"| {name} | {s['mode']} | {s['num_learners']} | {s['inner_steps']} | "
             f"{s['train_steps']} | {s['tokens']:,} | {lr} | {s['final_eval_loss']:.4f} | "
@@ -72,6 +84,11 @@ def render(results: dict[str, dict], started: str) -> str:
     return "\n".join(lines)
 
 
+def _label(outer_cfg: tuple) -> str:
+    lr, momentum, nesterov = outer_cfg
+    return f"lr{lr}-m{momentum}" + ("-nesterov" if nesterov else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/quality.md")
@@ -80,14 +97,15 @@ def main() -> None:
     args = parser.parse_args()
     out, workroot = pathlib.Path(args.out), pathlib.Path(args.workroot)
     started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    plan = [("short:dp", "dp", SHORT, 0.7), ("short:diloco", "diloco", SHORT, 0.7)]
+    plan = [("short:dp", "dp", SHORT, OUTER[0])]
+    plan += [(f"short:diloco {_label(o)}", "diloco", SHORT, o) for o in OUTER]
     if not args.short_only:
-        plan.append(("long:dp", "dp", LONG, 0.7))
-        plan += [(f"long:diloco lr={lr}", "diloco", LONG, lr) for lr in OUTER_LRS]
+        plan.append(("long:dp", "dp", LONG, OUTER[0]))
+        plan += [(f"long:diloco {_label(o)}", "diloco", LONG, o) for o in OUTER]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
-    for name, mode, setting, lr in plan:
-        results[name] = run(name.replace(":", "_").replace(" ", "_"), mode, setting, lr, workroot)
+    for name, mode, setting, outer_cfg in plan:
+        results[name] = run(name, mode, setting, outer_cfg, workroot)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(render(results, started))
     print(render(results, started))
