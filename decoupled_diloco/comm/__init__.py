@@ -1,0 +1,1 @@
+"""Transport between learners and the syncer: protocol, wire format, client."""

@@ -1,0 +1,139 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorHeader(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("learner_id", "fingerprint", "mesh")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fingerprint: str
+    mesh: str
+    def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., mesh: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("num_fragments", "versions")
+    NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    num_fragments: int
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_fragments: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("learner_id", "step", "tokens", "loss", "state", "versions", "blocked_s", "step_time_s", "eval_loss")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    step: int
+    tokens: int
+    loss: float
+    state: str
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    blocked_s: float
+    step_time_s: float
+    eval_loss: float
+    def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fragment: int
+    round: int
+    base_version: int
+    steps: int
+    tokens: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    total_bytes: int
+    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("accepted", "duplicate", "reason", "version")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    duplicate: bool
+    reason: str
+    version: int
+    def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("learner_id", "fragment", "min_version", "wait_s")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    fragment: int
+    min_version: int
+    wait_s: float
+    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class FragmentChunk(_message.Message):
+    __slots__ = ("fragment", "version", "tensors", "total_bytes", "data")
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
+    total_bytes: int
+    data: bytes
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,137 @@
+"""Wire format and transport settings shared by the syncer and its clients.
+
+A fragment travels as a list of `TensorHeader`s (name, shape, dtype) plus the tensors' raw
+bytes concatenated in that order, cut into chunks of `chunk_bytes` (~1 MiB: measured on
+loopback, smaller chunks cost throughput and one big message is slower still). Decoding checks
+every header against what the receiver expects before a byte is interpreted, so a malformed
+payload is refused with a message and never half-applied.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import grpc
+import numpy as np
+
+from decoupled_diloco.comm import syncer_pb2 as pb
+from decoupled_diloco.config import SyncerConfig
+from decoupled_diloco.fragments import TensorSpec
+
+TOKEN_HEADER = "x-dd-run-token"
+TOKEN_ENV = "DD_RUN_TOKEN"
+# Control messages and chunks stay far below this; it only bounds a single message.
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class PayloadError(ValueError):
+    """A payload that does not match what the receiver expects; the message says why."""
+
+
+def run_token(config: SyncerConfig) -> str:
+    """The run token: `config.token`, else the `DD_RUN_TOKEN` environment variable.
+
+    Raises:
+      ValueError: neither is set (every RPC must carry a token).
+    """
+    token = config.token or os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise ValueError(
+            f"no run token: set config.decoupled.syncer.token or the {TOKEN_ENV} environment "
+            "variable (the same value on the syncer and every learner)"
+        )
+    return token
+
+
+def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """Message limits raised on both ends (the default receive limit is 4 MiB)."""
+    limit = max(MAX_MESSAGE_BYTES, 4 * chunk_bytes)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+    ]
+
+
+def headers(specs: Sequence[TensorSpec]) -> list[pb.TensorHeader]:
+    """Protobuf headers of a fragment's tensors."""
+    return [pb.TensorHeader(name=s.name, shape=list(s.shape), dtype=s.dtype) for s in specs]
+
+
+def to_bytes(arrays: Sequence[np.ndarray]) -> bytes:
+    """The arrays' little-endian bytes, concatenated."""
+    return b"".join(
+        np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes() for a in arrays
+    )
+
+
+def chunks(payload: bytes | memoryview, chunk_bytes: int) -> Iterator[memoryview]:
+    """Consecutive slices of at most `chunk_bytes` (one empty chunk for an empty payload)."""
+    view = memoryview(payload)
+    if not len(view):
+        yield view
+    for start in range(0, len(view), chunk_bytes):
+        yield view[start : start + chunk_bytes]
+
+
+def check_headers(got: Sequence[pb.TensorHeader], want: Sequence[TensorSpec]) -> int:
+    """Checks a payload's headers against the expected specs; returns the expected byte count.
+
+    Raises:
+      PayloadError: a missing, extra, renamed, reshaped or retyped tensor.
+    """
+    if len(got) != len(want):
+        raise PayloadError(f"expected {len(want)} tensors, got {len(got)}")
+    for header, spec in zip(got, want, strict=True):
+        if header.name != spec.name:
+            raise PayloadError(f"tensor {spec.index}: expected {spec.name!r}, got {header.name!r}")
+        if tuple(header.shape) != spec.shape:
+            raise PayloadError(
+                f"{spec.name}: expected shape {spec.shape}, got {tuple(header.shape)}"
+            )
+        if header.dtype != spec.dtype:
+            raise PayloadError(f"{spec.name}: expected dtype {spec.dtype}, got {header.dtype}")
+    return sum(s.nbytes for s in want)
+
+
+def from_bytes(
+    payload: bytes, specs: Sequence[TensorSpec], require_finite: bool = True
+) -> list[np.ndarray]:
+    """Splits a checked payload back into arrays (copies, so the buffer can be released).
+
+    Raises:
+      PayloadError: wrong total size, or (with `require_finite`) a NaN or infinity.
+    """
+    expected = sum(s.nbytes for s in specs)
+    if len(payload) != expected:
+        raise PayloadError(f"payload has {len(payload)} bytes, headers describe {expected}")
+    arrays, offset = [], 0
+    for spec in specs:
+        dtype = np.dtype(spec.dtype).newbyteorder("<")
+        flat = np.frombuffer(
+            payload, dtype=dtype, count=spec.nbytes // dtype.itemsize, offset=offset
+        )
+        array = flat.reshape(spec.shape).astype(np.dtype(spec.dtype))
+        if require_finite and not np.all(np.isfinite(array)):
+            raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
+        arrays.append(array)
+        offset += spec.nbytes
+    return arrays
+
+
+def server_credentials(config: SyncerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the configured PEM files, or None for a plaintext server."""
+    if not config.tls_cert:
+        return None
+    with open(config.tls_key, "rb") as key, open(config.tls_cert, "rb") as cert:
+        return grpc.ssl_server_credentials([(key.read(), cert.read())])
+
+
+def make_channel(address: str, config: SyncerConfig) -> grpc.Channel:
+    """A channel to the syncer: TLS trusting `tls_cert` when set, raised message limits."""
+    options = channel_options(config.chunk_bytes)
+    if config.tls_cert:
+        with open(config.tls_cert, "rb") as cert:
+            credentials = grpc.ssl_channel_credentials(root_certificates=cert.read())
+        return grpc.secure_channel(address, credentials, options=options)
+    return grpc.insecure_channel(address, options=options)

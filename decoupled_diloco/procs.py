@@ -1,0 +1,44 @@
+"""Child-process hygiene: die with the parent, free ports, reap process groups."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Asks Linux to send `sig` to this process when its parent dies (no-op elsewhere).
+
+    A launcher killed with SIGKILL cannot clean up; this makes its children follow it.
+    """
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (prefer binding port 0 where the server allows it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def reap(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Terminates every process still running, waits `grace_s`, then kills the rest."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,278 @@
+r"""The syncer process: a gRPC server around `SyncerState`.
+
+  DD_RUN_TOKEN=secret python -m decoupled_diloco.syncer --port=50051 \
+      --config=experiments/configs/tiny_lm.py --config.mode=decoupled
+
+Every call must carry the run token (metadata `x-dd-run-token`), else UNAUTHENTICATED.
+Register checks the model fingerprint; pushes are validated (fragment id, tensor names, shapes,
+dtypes, byte counts, size limit, finite values) before anything touches the state, and a bad
+one is refused with INVALID_ARGUMENT or RESOURCE_EXHAUSTED and a message.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from decoupled_diloco import fragments as F
+from decoupled_diloco.comm import syncer_pb2 as pb
+from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
+from decoupled_diloco.comm import wire
+from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.syncer_state import Push, SyncerState
+
+
+@functools.lru_cache(maxsize=4)
+def initial_fragments(config: ExperimentConfig) -> tuple[list[list[F.TensorSpec]], list[list]]:
+    """The fragment cut of the model and every fragment's initial values (host arrays).
+
+    Uses the same jit-compiled initializer as the learners (one CPU device), so version 0 of
+    every fragment equals a learner's freshly initialized parameters.
+    """
+    import jax
+
+    from decoupled_diloco.island import Island
+
+    island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
+    leaves = [
+        np.asarray(x) for x in jax.tree.leaves(jax.device_get(island.init(config.seed).params))
+    ]
+    specs = F.tensor_specs(island.abstract_params)
+    cut = F.partition(specs, config.decoupled.fragments)
+    return cut, [F.gather(leaves, frag) for frag in cut]
+
+
+class SyncerService(pb_grpc.SyncerServicer):
+    """The RPC handlers: authentication and validation in front of `SyncerState`."""
+
+    def __init__(self, state: SyncerState, token: str, fingerprint: str):
+        self.state, self.token, self.fingerprint = state, token, fingerprint
+        self.syncer_config = state.config.decoupled.syncer
+        self._encoded: dict[tuple[int, int], bytes] = {}
+        self._encode_lock = threading.Lock()
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        got = dict(context.invocation_metadata()).get(wire.TOKEN_HEADER, "")
+        if not hmac.compare_digest(got.encode(), self.token.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+
+    def _fragment(self, p: int, context: grpc.ServicerContext) -> None:
+        if not 0 <= p < len(self.state.fragments):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"fragment {p} does not exist (the model has {len(self.state.fragments)})",
+            )
+
+    def _known(self, learner_id: int, context: grpc.ServicerContext) -> None:
+        if learner_id not in self.state.learners:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"learner {learner_id}: register first"
+            )
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext):  # noqa: D102
+        self._authorize(context)
+        if request.fingerprint != self.fingerprint:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"learner {request.learner_id}: model fingerprint {request.fingerprint} does not "
+                f"match the syncer's {self.fingerprint} (different tree structure, shapes or "
+                "dtypes: check config.model on both sides)",
+            )
+        versions = self.state.register(request.learner_id, request.mesh)
+        return pb.RegisterReply(num_fragments=len(versions), versions=versions)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext):  # noqa: D102
+        self._authorize(context)
+        self._known(request.learner_id, context)
+        versions = self.state.heartbeat(
+            request.learner_id,
+            step=request.step,
+            tokens=request.tokens,
+            loss=request.loss,
+            eval_loss=request.eval_loss,
+            state=request.state or "training",
+            versions=list(request.versions),
+            blocked_s=request.blocked_s,
+            step_time_s=request.step_time_s,
+        )
+        return pb.HeartbeatReply(versions=versions)
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext):  # noqa: D102
+        self._authorize(context)
+        import json
+
+        return pb.StatusReply(json=json.dumps(self.state.status()))
+
+    def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext):  # noqa: D102
+        self._authorize(context)
+        invalid, exhausted = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            context.abort(invalid, "a push must start with a header")
+        h = first.header
+        self._fragment(h.fragment, context)
+        self._known(h.learner_id, context)
+        specs = self.state.fragments[h.fragment].specs
+        limit = self.syncer_config.max_push_bytes
+        try:
+            expected = wire.check_headers(h.tensors, specs)
+        except wire.PayloadError as error:
+            context.abort(invalid, f"fragment {h.fragment}: {error}")
+        if max(h.total_bytes, expected) > limit:
+            context.abort(
+                exhausted, f"push of {max(h.total_bytes, expected)} bytes > limit {limit}"
+            )
+        if h.total_bytes != expected:
+            context.abort(invalid, f"header says {h.total_bytes} bytes, tensors need {expected}")
+        if h.steps < 1 or h.tokens < 0:
+            context.abort(
+                invalid, f"counters must be steps >= 1, tokens >= 0: {h.steps}, {h.tokens}"
+            )
+        if h.base_version > self.state.fragments[h.fragment].version:
+            context.abort(invalid, f"base version {h.base_version} is from the future")
+        buffer = bytearray(first.data)
+        for chunk in request_iterator:
+            buffer += chunk.data
+            if len(buffer) > limit:
+                context.abort(exhausted, f"payload passed the {limit}-byte limit")
+        try:
+            delta = wire.from_bytes(bytes(buffer), specs)
+        except wire.PayloadError as error:
+            context.abort(invalid, f"fragment {h.fragment}: {error}")
+        result = self.state.push(
+            Push(h.learner_id, h.fragment, h.round, h.base_version, h.steps, h.tokens, delta)
+        )
+        return pb.PushReply(
+            accepted=result.accepted,
+            duplicate=result.duplicate,
+            reason=result.reason,
+            version=result.version,
+        )
+
+    def _payload(self, p: int, version: int, values: list[np.ndarray]) -> bytes:
+        with self._encode_lock:  # Encode each version once, whoever pulls it.
+            key = (p, version)
+            if key not in self._encoded:
+                self._encoded = {k: v for k, v in self._encoded.items() if k[0] != p}
+                self._encoded[key] = wire.to_bytes(values)
+            return self._encoded[key]
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):  # noqa: D102
+        self._authorize(context)
+        self._fragment(request.fragment, context)
+        wait_s = min(max(request.wait_s, 0.0), self.syncer_config.rpc_timeout_s)
+        version, values = self.state.wait_for(request.fragment, request.min_version, wait_s)
+        if version < 0:
+            yield pb.FragmentChunk(fragment=request.fragment, version=-1)
+            return
+        specs = self.state.fragments[request.fragment].specs
+        payload = self._payload(request.fragment, version, values)
+        for i, piece in enumerate(wire.chunks(payload, self.syncer_config.chunk_bytes)):
+            yield pb.FragmentChunk(
+                fragment=request.fragment,
+                version=version,
+                tensors=wire.headers(specs) if i == 0 else [],
+                total_bytes=len(payload),
+                data=bytes(piece),
+            )
+        self.state.record_sync_time(request.fragment, version)
+
+
+class SyncerServer:
+    """A running syncer: the state, the gRPC server, and a thread closing rounds on time.
+
+    Args:
+      config: the experiment.
+      host: interface to bind (127.0.0.1 for loopback, 0.0.0.0 for other hosts).
+      port: port to bind; 0 picks a free one (see `.port`).
+      token: the run token (default: from config or `DD_RUN_TOKEN`).
+    """
+
+    def __init__(self, config: ExperimentConfig, host: str = "", port: int = -1, token: str = ""):
+        s = config.decoupled.syncer
+        cut, values = initial_fragments(config)
+        self.state = SyncerState(config, cut, values)
+        self.fingerprint = F.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
+        self.service = SyncerService(self.state, token or wire.run_token(s), self.fingerprint)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4 * config.num_learners + 8),
+            options=wire.channel_options(s.chunk_bytes),
+        )
+        pb_grpc.add_SyncerServicer_to_server(self.service, self.server)
+        address = f"{host or s.host}:{port if port >= 0 else s.port}"
+        credentials = wire.server_credentials(s)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
+        self._stop = threading.Event()
+        self._closer = threading.Thread(target=self._close_rounds, daemon=True)
+
+    def _close_rounds(self) -> None:
+        while not self._stop.is_set():
+            deadline = self.state.next_deadline()
+            wait = 0.05 if deadline is None else max(min(deadline - self.state.clock(), 0.05), 0)
+            self._stop.wait(wait)
+            self.state.tick()
+
+    def start(self) -> SyncerServer:
+        """Starts serving; returns self."""
+        self.server.start()
+        self._closer.start()
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stops serving (in-flight calls get `grace_s` to finish)."""
+        self._stop.set()
+        self.server.stop(grace_s).wait()
+
+
+def main(argv: list[str]) -> None:
+    """Runs a syncer until SIGTERM/SIGINT."""
+    from absl import flags
+
+    from decoupled_diloco import config as config_lib
+
+    values = flags.FLAGS
+    config = config_lib.from_config_dict(values.config)
+    server = SyncerServer(config, host=values.host, port=values.port).start()
+    if values.port_file:
+        import pathlib
+
+        path = pathlib.Path(values.port_file)
+        path.with_suffix(".tmp").write_text(str(server.port))
+        path.with_suffix(".tmp").replace(path)
+    print(
+        f"[syncer] listening on {values.host or config.decoupled.syncer.host}:{server.port}; "
+        f"{len(server.state.fragments)} fragments, quorum {config.decoupled.quorum}, "
+        f"fingerprint {server.fingerprint}",
+        flush=True,
+    )
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    print("[syncer] stopped", flush=True)
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    from decoupled_diloco.procs import die_with_parent
+
+    config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
+    flags.DEFINE_string("host", "", "Interface to bind (default: config.decoupled.syncer.host).")
+    flags.DEFINE_integer("port", -1, "Port (default: config.decoupled.syncer.port; 0: any free).")
+    flags.DEFINE_string("port_file", "", "Write the bound port here once serving.")
+    die_with_parent()
+    sys.exit(app.run(main))

@@ -1,0 +1,367 @@
+"""The syncer's state and rules, without any transport: fragments, rounds, quorum, grace, merge.
+
+Per fragment p the syncer holds the global values Θ_p (host numpy), the outer optimizer state
+and a version. Learners push outer gradients Δ anchored at the version they hold; a round of
+fragment p collects pushes and closes once `quorum` live learners have pushed and the adaptive
+grace window has passed (or every live learner has pushed). Closing merges the outer gradients
+with token weights w = tokens²/steps (RDA, or the weighted mean for embeddings, via
+`outer.merge`), applies the Nesterov outer step (`outer.outer_step`) and bumps the version.
+
+Anchoring (Decoupled DiLoCo, App. D.2): outer gradients are re-anchored at the syncer's current
+Θ_p. A push anchored at version b < current carries Δ = Θ_p^(b) − θ_m; the syncer recovers the
+learner's parameters θ_m = Θ_p^(b) − Δ from its short version history and uses Θ_p − θ_m.
+
+Late-push rule: a push whose base version is more than `max_staleness` versions behind the
+fragment's current version arrived after its round (and `max_staleness` later ones) closed. It
+is dropped: acknowledged with `accepted=False, reason="late"`, counted in `late_pushes`, and the
+state is unchanged; the learner catches up by pulling the current fragment. With
+`max_staleness = 0` this is the paper's rule ("late pushes for a merged round are dropped").
+
+Idempotency: (learner, fragment, round) identifies a push; a retry of one already handled gets
+the first answer again, with `duplicate=True`, and is never counted twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from decoupled_diloco import outer
+from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.fragments import TensorSpec
+from decoupled_diloco.model import is_embedding
+
+
+def token_weight(tokens: int, steps: int) -> float:
+    """Token weight w = tokens · (tokens / steps): quantity times quality (Sec. 3.2)."""
+    return float(tokens) * float(tokens) / max(float(steps), 1.0)
+
+
+def grace_window(
+    step_s: float, quorum_s: float, sync_s: float, overlap_steps: int, safety: float, cap_s: float
+) -> float:
+    """Eq. 3: ξ_grace = γ·(τ·ξ_step − ξ_quorum − ξ_sync), clipped to [0, cap_s].
+
+    The learner has τ steps of slack before it wants the fragment back; quorum and the return
+    trip use part of it, and a share γ of the rest is spent waiting for more learners.
+    """
+    return float(min(max(safety * (overlap_steps * step_s - quorum_s - sync_s), 0.0), cap_s))
+
+
+class Ema:
+    """Exponential moving average; the first sample sets the value."""
+
+    def __init__(self, decay: float):
+        self.decay, self.value = decay, None
+
+    def update(self, x: float) -> None:
+        """Folds in one sample."""
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+    def get(self) -> float:
+        """The average so far (0 before any sample)."""
+        return 0.0 if self.value is None else float(self.value)
+
+
+@dataclasses.dataclass
+class Push:
+    """One validated push: the learner's outer gradient of one fragment and its counters."""
+
+    learner_id: int
+    fragment: int
+    round: int
+    base_version: int
+    steps: int
+    tokens: int
+    delta: list[np.ndarray]
+
+
+@dataclasses.dataclass
+class PushResult:
+    """The answer to a push (mirrors `PushReply`)."""
+
+    accepted: bool
+    duplicate: bool = False
+    reason: str = ""
+    version: int = 0
+
+
+@dataclasses.dataclass
+class LearnerInfo:
+    """What the syncer knows about one learner."""
+
+    mesh: str = ""
+    step: int = 0
+    tokens: int = 0
+    loss: float = float("nan")
+    eval_loss: float = float("nan")
+    state: str = "registered"
+    last_seen: float = 0.0
+    versions: list[int] = dataclasses.field(default_factory=list)
+    blocked_s: float = 0.0
+    step_time_s: float = 0.0
+    pushes: int = 0
+
+
+class FragmentState:
+    """Global values, outer optimizer state, version and the open round of one fragment."""
+
+    def __init__(self, specs: Sequence[TensorSpec], values: Sequence[np.ndarray], tx: Any):
+        self.specs = list(specs)
+        self.values = [np.array(v) for v in values]  # own copies: merges never share
+        tree = {s.name: v for s, v in zip(self.specs, self.values, strict=True)}
+        self.opt_state = jax.device_get(tx.init(tree))
+        self.version = 0
+        self.history = {0: self.values}
+        self.pending: dict[int, Push] = {}
+        self.first_push_t = self.quorum_t = self.closed_t = None
+        self.grace_s = 0.0
+        self.merges = self.late = self.duplicates = 0
+
+
+class SyncerState:
+    """All of the syncer's state, guarded by one lock; transport-free so tests can drive it.
+
+    Args:
+      config: the experiment (decoupled, outer and merge settings).
+      fragments: the tensor specs of each fragment (`fragments.partition`).
+      initial: the initial value of every fragment's tensors (same order as the specs).
+      clock: time source (seconds); tests may pass a fake one.
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        fragments: Sequence[Sequence[TensorSpec]],
+        initial: Sequence[Sequence[np.ndarray]],
+        clock: Any = time.monotonic,
+    ):
+        self.config, self.clock = config, clock
+        d = config.decoupled
+        self.tx = outer.make_outer_optimizer(
+            config.outer.lr, config.outer.momentum, config.outer.nesterov
+        )
+        self.fragments = [
+            FragmentState(specs, values, self.tx)
+            for specs, values in zip(fragments, initial, strict=True)
+        ]
+        self.learners: dict[int, LearnerInfo] = {}
+        self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
+        self.merge_log: list[dict[str, Any]] = []
+        self.seen: dict[tuple[int, int, int], PushResult] = {}
+        self.lock = threading.Condition()
+
+    # Learners --------------------------------------------------------------------------------
+
+    def live_learners(self, now: float) -> list[int]:
+        """Learners still training whose last message is within `learner_timeout_s`."""
+        timeout = self.config.decoupled.syncer.learner_timeout_s
+        return [
+            i
+            for i, info in self.learners.items()
+            if info.state != "done" and now - info.last_seen <= timeout
+        ]
+
+    def register(self, learner_id: int, mesh: str) -> list[int]:
+        """Registers (or re-registers) a learner; returns the fragment versions."""
+        with self.lock:
+            info = self.learners.setdefault(learner_id, LearnerInfo())
+            info.mesh, info.state, info.last_seen = mesh, "training", self.clock()
+            return [f.version for f in self.fragments]
+
+    def heartbeat(self, learner_id: int, **fields: Any) -> list[int]:
+        """Records a learner's progress; returns the fragment versions."""
+        with self.lock:
+            info = self.learners.setdefault(learner_id, LearnerInfo())
+            for name, value in fields.items():
+                setattr(info, name, value)
+            info.last_seen = self.clock()
+            if info.step_time_s > 0:
+                self.ema_step.update(info.step_time_s)
+            self.lock.notify_all()  # a learner that finished may complete a quorum
+            return [f.version for f in self.fragments]
+
+    # Pushes and rounds -----------------------------------------------------------------------
+
+    def push(self, push: Push) -> PushResult:
+        """Handles one validated push under the idempotency and late-push rules (module doc)."""
+        with self.lock:
+            key = (push.learner_id, push.fragment, push.round)
+            frag = self.fragments[push.fragment]
+            if key in self.seen:
+                frag.duplicates += 1
+                return dataclasses.replace(self.seen[key], duplicate=True)
+            staleness = frag.version - push.base_version
+            if staleness > self.config.decoupled.syncer.max_staleness:
+                frag.late += 1
+                result = PushResult(False, reason="late", version=frag.version)
+            else:
+                self._add(frag, push)
+                result = PushResult(True, version=frag.version)
+            self.seen[key] = result
+            info = self.learners.setdefault(push.learner_id, LearnerInfo())
+            info.pushes += 1
+            info.last_seen = self.clock()
+            self._maybe_close(push.fragment)
+            self.lock.notify_all()
+            return result
+
+    def _add(self, frag: FragmentState, push: Push) -> None:
+        base = frag.history[push.base_version]
+        # θ_m = Θ^(b) − Δ, re-anchored at the current Θ (identity when b is current).
+        delta = [cur - (b - d) for cur, b, d in zip(frag.values, base, push.delta, strict=True)]
+        previous = frag.pending.get(push.learner_id)
+        if previous is not None:  # A newer push from the same learner supersedes the older one.
+            push = dataclasses.replace(
+                push, steps=push.steps + previous.steps, tokens=push.tokens + previous.tokens
+            )
+        frag.pending[push.learner_id] = dataclasses.replace(push, delta=delta)
+        now = self.clock()
+        if frag.first_push_t is None:
+            frag.first_push_t = now
+
+    def _maybe_close(self, p: int) -> None:
+        """Starts the grace window at quorum; merges when it has passed or all have pushed."""
+        frag, now = self.fragments[p], self.clock()
+        if not frag.pending:
+            return
+        live = self.live_learners(now)
+        quorum = min(self.config.decoupled.quorum, max(len(live), 1))
+        if len(frag.pending) < quorum:
+            return
+        if frag.quorum_t is None:
+            frag.quorum_t = now
+            self.ema_quorum.update(now - frag.first_push_t)
+            d, s = self.config.decoupled, self.config.decoupled.syncer
+            frag.grace_s = grace_window(
+                self.ema_step.get(),
+                self.ema_quorum.get(),
+                self.ema_sync.get(),
+                d.overlap_steps,
+                d.grace_safety,
+                s.max_grace_s,
+            )
+        everyone = set(live) <= set(frag.pending)
+        if everyone or now >= frag.quorum_t + frag.grace_s:
+            self._merge(p)
+
+    def tick(self) -> None:
+        """Closes every round whose grace window has passed (call periodically)."""
+        with self.lock:
+            for p in range(len(self.fragments)):
+                self._maybe_close(p)
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a round may close by its grace window, if any is waiting."""
+        with self.lock:
+            times = [f.quorum_t + f.grace_s for f in self.fragments if f.quorum_t is not None]
+            return min(times) if times else None
+
+    def _merge(self, p: int) -> None:
+        frag = self.fragments[p]
+        pushes = [frag.pending[i] for i in sorted(frag.pending)]
+        weights = [token_weight(x.tokens, x.steps) for x in pushes]
+        names = [s.name for s in frag.specs]
+
+        def as_tree(arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+            return dict(zip(names, arrays, strict=True))
+
+        merged = outer.merge(
+            [as_tree(x.delta) for x in pushes],
+            weights,
+            self.config.outer.merge,
+            is_mean_only=lambda path: is_embedding(tuple(path[0].split("/"))),
+        )
+        new_values, frag.opt_state = outer.outer_step(
+            self.tx, as_tree(frag.values), jax.device_get(frag.opt_state), merged
+        )
+        frag.opt_state = jax.device_get(frag.opt_state)
+        frag.values = [np.asarray(jax.device_get(new_values[n])) for n in names]
+        frag.version += 1
+        frag.merges += 1
+        frag.history[frag.version] = frag.values
+        keep = self.config.decoupled.syncer.max_staleness
+        for v in [v for v in frag.history if v < frag.version - keep]:
+            del frag.history[v]
+        now = self.clock()
+        self.merge_log.append(
+            {
+                "fragment": p,
+                "version": frag.version,
+                "learners": [x.learner_id for x in pushes],
+                "steps": [x.steps for x in pushes],
+                "tokens": [x.tokens for x in pushes],
+                "weights": weights,
+                "grace_s": frag.grace_s,
+                "waited_s": now - frag.first_push_t,
+                "ema_step_s": self.ema_step.get(),
+                "ema_quorum_s": self.ema_quorum.get(),
+                "ema_sync_s": self.ema_sync.get(),
+            }
+        )
+        frag.pending, frag.first_push_t, frag.quorum_t, frag.closed_t = {}, None, None, now
+
+    # Pulls and status ------------------------------------------------------------------------
+
+    def wait_for(self, p: int, min_version: int, timeout_s: float) -> tuple[int, list[np.ndarray]]:
+        """Blocks until fragment p reaches `min_version` (or the timeout); returns its value."""
+        deadline = self.clock() + timeout_s
+        with self.lock:
+            frag = self.fragments[p]
+            while frag.version < min_version:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return -1, []
+                self.lock.wait(min(left, 0.05))
+                self._maybe_close(p)
+            return frag.version, frag.values
+
+    def record_sync_time(self, p: int, version: int) -> None:
+        """After a merged fragment reached a learner: time since its round closed (ξ_sync)."""
+        with self.lock:
+            frag = self.fragments[p]
+            if frag.version == version and frag.closed_t is not None:
+                self.ema_sync.update(self.clock() - frag.closed_t)
+
+    def status(self) -> dict[str, Any]:
+        """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs."""
+        with self.lock:
+            now = self.clock()
+            versions = [f.version for f in self.fragments]
+            learners = {}
+            for i, info in sorted(self.learners.items()):
+                entry = dataclasses.asdict(info)
+                entry["heartbeat_age_s"] = now - info.last_seen
+                entry["staleness"] = max(
+                    (v - h for v, h in zip(versions, info.versions, strict=False)), default=0
+                )
+                entry.pop("last_seen")
+                learners[str(i)] = entry
+            return {
+                "learners": learners,
+                "live": self.live_learners(now),
+                "fragments": [
+                    {
+                        "version": f.version,
+                        "merges": f.merges,
+                        "pending": sorted(f.pending),
+                        "late_pushes": f.late,
+                        "duplicate_pushes": f.duplicates,
+                        "bytes": sum(s.nbytes for s in f.specs),
+                    }
+                    for f in self.fragments
+                ],
+                "merges": sum(f.merges for f in self.fragments),
+                "ema": {
+                    "step_s": self.ema_step.get(),
+                    "quorum_s": self.ema_quorum.get(),
+                    "sync_s": self.ema_sync.get(),
+                },
+                "merge_log": self.merge_log[-200:],
+            }

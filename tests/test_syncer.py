@@ -1,0 +1,285 @@
+"""The syncer over real gRPC on 127.0.0.1 (in-process server): admission, validation, merges."""
+
+import grpc
+import numpy as np
+import pytest
+
+from decoupled_diloco import fragments as F
+from decoupled_diloco.comm import syncer_pb2 as pb
+from decoupled_diloco.comm import wire
+from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.syncer import SyncerServer
+from decoupled_diloco.syncer_state import token_weight
+from tests.conftest import tiny_config
+
+TOKEN = "test-token"
+
+
+def _config(**overrides):
+    base = {
+        "decoupled.fragments": 2,
+        "decoupled.quorum": 2,
+        "decoupled.syncer.max_grace_s": 0.0,
+        "decoupled.syncer.max_push_bytes": 200_000,
+        "outer.merge": "rda",
+    }
+    base.update(overrides)
+    return tiny_config(mode="decoupled", **base)
+
+
+@pytest.fixture
+def syncer(request):
+    overrides = getattr(request, "param", {})
+    server = SyncerServer(_config(**overrides), host="127.0.0.1", port=0, token=TOKEN).start()
+    client = SyncerClient(f"127.0.0.1:{server.port}", server.state.config.decoupled.syncer, TOKEN)
+    yield server, client
+    client.close()
+    server.stop(0)
+
+
+def _snapshot(state):
+    return [(f.version, [v.copy() for v in f.values], sorted(f.pending)) for f in state.fragments]
+
+
+def _assert_same(before, after):
+    for (v0, vals0, pend0), (v1, vals1, pend1) in zip(before, after, strict=True):
+        assert v0 == v1 and pend0 == pend1
+        for a, b in zip(vals0, vals1, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def _push(client, specs, arrays, learner=0, fragment=0, rnd=0, base=0, steps=4, tokens=1024):
+    return client.push(
+        learner_id=learner,
+        fragment=fragment,
+        round=rnd,
+        base_version=base,
+        steps=steps,
+        tokens=tokens,
+        specs=specs,
+        arrays=arrays,
+    )
+
+
+def _deltas(specs, seed, scale=1e-2):
+    rng = np.random.default_rng(seed)
+    return [(scale * rng.standard_normal(s.shape)).astype(s.dtype) for s in specs]
+
+
+def test_every_call_needs_the_run_token(syncer):
+    server, client = syncer
+    for token in ("", "wrong"):
+        metadata = ((wire.TOKEN_HEADER, token),) if token else ()
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.Status(pb.StatusRequest(), timeout=10, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.Register(pb.RegisterRequest(learner_id=0), timeout=10, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stream = client.stub.Pull(pb.PullRequest(fragment=0), timeout=10, metadata=metadata)
+        with pytest.raises(grpc.RpcError) as info:
+            next(stream)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert server.state.learners == {}
+    assert client.status()["merges"] == 0
+
+
+def test_register_checks_the_model_fingerprint(syncer):
+    server, client = syncer
+    with pytest.raises(grpc.RpcError) as info:
+        client.register(0, "0123456789abcdef")
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "fingerprint" in info.value.details() and "config.model" in info.value.details()
+    assert server.state.learners == {}
+    reply = client.register(0, server.fingerprint, "1x1")
+    assert list(reply.versions) == [0, 0] and reply.num_fragments == 2
+
+
+def test_bad_pushes_are_refused_and_change_nothing(syncer):
+    server, client = syncer
+    client.register(0, server.fingerprint)
+    specs = server.state.fragments[0].specs
+    good = _deltas(specs, 0)
+    before = _snapshot(server.state)
+
+    def refused(code, text, **kwargs):
+        args = {"specs": specs, "arrays": good, **kwargs}
+        with pytest.raises(grpc.RpcError) as info:
+            _push(client, args.pop("specs"), args.pop("arrays"), **args)
+        assert info.value.code() == code, info.value.details()
+        assert text in info.value.details()
+        _assert_same(before, _snapshot(server.state))
+
+    wrong_shape = [F.TensorSpec(0, specs[0].name, (3, 3), "float32"), *specs[1:]]
+    bad = [np.zeros((3, 3), np.float32), *good[1:]]
+    refused(grpc.StatusCode.INVALID_ARGUMENT, "expected shape", specs=wrong_shape, arrays=bad)
+    as_f16 = [F.TensorSpec(s.index, s.name, s.shape, "float16") for s in specs]
+    refused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "expected dtype",
+        specs=as_f16,
+        arrays=[g.astype(np.float16) for g in good],
+    )
+    refused(grpc.StatusCode.INVALID_ARGUMENT, "does not exist", fragment=7)
+    nan = [g.copy() for g in good]
+    nan[-1].flat[0] = np.nan
+    refused(grpc.StatusCode.INVALID_ARGUMENT, "non-finite", arrays=nan)
+    refused(grpc.StatusCode.INVALID_ARGUMENT, "from the future", base=3)
+    # Oversized: headers claim more than the limit, or the stream runs past it.
+    header = pb.PushHeader(
+        learner_id=0, fragment=0, steps=1, tensors=wire.headers(specs), total_bytes=10**9
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Push(iter([pb.PushChunk(header=header)]), timeout=10, metadata=client.metadata)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    header.total_bytes = sum(s.nbytes for s in specs)
+    big = [pb.PushChunk(header=header, data=b"\0" * 150_000), pb.PushChunk(data=b"\0" * 100_000)]
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.Push(iter(big), timeout=10, metadata=client.metadata)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    _assert_same(before, _snapshot(server.state))
+    assert client.status()["merges"] == 0
+
+
+def test_retried_push_counts_once_and_merge_matches_numpy(syncer):
+    """Token weights, RDA (mean for embeddings) and the Nesterov step, recomputed in numpy."""
+    server, client = syncer
+    for i in (0, 1):
+        client.register(i, server.fingerprint)
+    p = next(
+        i for i, f in enumerate(server.state.fragments) if any("embed" in s.name for s in f.specs)
+    )
+    specs = server.state.fragments[p].specs
+    anchor = [v.copy() for v in server.state.fragments[p].values]
+    d0, d1 = _deltas(specs, 1), _deltas(specs, 2, scale=3e-2)
+    first = _push(client, specs, d0, learner=0, fragment=p, steps=4, tokens=4 * 256)
+    again = _push(client, specs, d0, learner=0, fragment=p, steps=4, tokens=4 * 256)
+    assert first.accepted and not first.duplicate and again.accepted and again.duplicate
+    assert client.status()["fragments"][p]["pending"] == [0]  # quorum 2: still open
+    _push(client, specs, d1, learner=1, fragment=p, steps=2, tokens=2 * 256)
+    version, got = client.pull(0, p, min_version=1, wait_s=10)
+    assert version == 1
+    record = client.status()["merge_log"][-1]
+    assert record["learners"] == [0, 1] and record["tokens"] == [1024, 512]
+    w = np.array([token_weight(1024, 4), token_weight(512, 2)])
+    np.testing.assert_allclose(record["weights"], w)
+    w = w / w.sum()
+    lr, mu = 0.7, 0.9
+    for spec, a, x0, x1, g in zip(specs, anchor, d0, d1, got, strict=True):
+        if "embed" in spec.name:
+            merged = w[0] * x0 + w[1] * x1
+        else:
+            n0, n1 = np.linalg.norm(x0), np.linalg.norm(x1)
+            direction = w[0] * x0 / n0 + w[1] * x1 / n1
+            merged = (w[0] * n0 + w[1] * n1) * direction / np.linalg.norm(direction)
+        want = a - lr * (merged + mu * merged)  # first Nesterov step: momentum = merged
+        np.testing.assert_allclose(g, want, rtol=2e-5, atol=2e-7)
+    assert client.status()["fragments"][p]["duplicate_pushes"] == 1
+
+
+@pytest.mark.parametrize(
+    "syncer",
+    [{"decoupled.quorum": 1, "decoupled.syncer.max_staleness": 0}],
+    indirect=True,
+)
+def test_late_push_is_dropped_and_changes_nothing(syncer):
+    server, client = syncer
+    client.register(0, server.fingerprint)
+    client.register(1, server.fingerprint)
+    specs = server.state.fragments[0].specs
+    assert _push(client, specs, _deltas(specs, 1), learner=0).accepted
+    assert client.pull(0, 0, min_version=1, wait_s=10)[0] == 1
+    before = _snapshot(server.state)
+    late = _push(client, specs, _deltas(specs, 2), learner=1, base=0)
+    assert not late.accepted and late.reason == "late" and late.version == 1
+    _assert_same(before, _snapshot(server.state))
+    assert client.status()["fragments"][0]["late_pushes"] == 1
+
+
+@pytest.mark.parametrize(
+    "syncer", [{"decoupled.quorum": 2, "decoupled.syncer.max_staleness": 1}], indirect=True
+)
+def test_stale_push_within_bound_is_reanchored_at_the_current_value(syncer):
+    server, client = syncer
+    for i in (0, 1):
+        client.register(i, server.fingerprint)
+    specs = server.state.fragments[0].specs
+    theta0 = [v.copy() for v in server.state.fragments[0].values]
+    _push(client, specs, _deltas(specs, 1), learner=0)
+    _push(client, specs, _deltas(specs, 2), learner=1)
+    assert client.pull(0, 0, min_version=1, wait_s=10)[0] == 1
+    theta1 = server.state.fragments[0].values
+    stale = _deltas(specs, 3)
+    reply = _push(client, specs, stale, learner=1, rnd=1, base=0)
+    assert reply.accepted and reply.version == 1
+    pending = server.state.fragments[0].pending[1].delta
+    for got, t0, t1, d in zip(pending, theta0, theta1, stale, strict=True):
+        np.testing.assert_allclose(got, t1 - (t0 - d), rtol=1e-6, atol=1e-7)
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_grace_window_follows_eq3_with_emas_and_waits_for_a_second_learner():
+    from decoupled_diloco.syncer import initial_fragments
+    from decoupled_diloco.syncer_state import Push, SyncerState, grace_window
+
+    config = _config(
+        **{
+            "decoupled.quorum": 1,
+            "decoupled.overlap_steps": 2,
+            "decoupled.grace_safety": 0.5,
+            "decoupled.ema_decay": 0.8,
+            "decoupled.syncer.max_grace_s": 10.0,
+        }
+    )
+    cut, values = initial_fragments(config)
+    clock = _Clock()
+    state = SyncerState(config, cut, values, clock=clock)
+    for i in (0, 1):
+        state.register(i, "1x1")
+    step_times = [0.2, 0.3]
+    for i, dt in enumerate(step_times):
+        state.heartbeat(i, step_time_s=dt)
+    ema_step = 0.8 * step_times[0] + 0.2 * step_times[1]
+
+    def push(learner, rnd, p=0):
+        specs = state.fragments[p].specs
+        arrays = _deltas(specs, learner + 10 * rnd)
+        return state.push(Push(learner, p, rnd, state.fragments[p].version, 4, 1024, arrays))
+
+    # Round 1: learner 0 reaches quorum 1 at t=100 (quorum time 0); learner 1 arrives within
+    # the grace window, so both are merged as soon as everyone live has pushed.
+    push(0, 0)
+    grace = grace_window(ema_step, 0.0, 0.0, overlap_steps=2, safety=0.5, cap_s=10.0)
+    assert grace == pytest.approx(0.5 * (2 * ema_step))
+    assert state.fragments[0].grace_s == pytest.approx(grace)
+    clock.t += grace / 2
+    state.tick()
+    assert state.fragments[0].version == 0  # still inside the grace window
+    push(1, 0)
+    assert state.fragments[0].version == 1
+    record = state.merge_log[-1]
+    assert record["learners"] == [0, 1] and record["grace_s"] == pytest.approx(grace)
+
+    # A sync time sample (the merged fragment reached a learner 0.05 s after the close).
+    clock.t += 0.05
+    state.record_sync_time(0, 1)
+    # Round 2: only learner 0 pushes; the window (with the new EMAs) passes and it merges alone.
+    push(0, 1)
+    want = grace_window(ema_step, 0.0, 0.05, overlap_steps=2, safety=0.5, cap_s=10.0)
+    assert state.fragments[0].grace_s == pytest.approx(want)
+    clock.t += want + 1e-6
+    state.tick()
+    assert state.fragments[0].version == 2
+    record = state.merge_log[-1]
+    assert record["learners"] == [0]
+    np.testing.assert_allclose(
+        [record["ema_step_s"], record["ema_quorum_s"], record["ema_sync_s"]], [ema_step, 0, 0.05]
+    )
+    assert record["waited_s"] >= record["grace_s"]
