@@ -380,7 +380,8 @@ def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
                 field,
                 f"model axis {model_axis} does not divide model.{name}={value}",
             )
-    _validate_decoupled(c)
+    if c.mode == "decoupled":  # the synchronous modes ignore these fields
+        _validate_decoupled(c)
     _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", "must be >= 0 (0: evaluate only at the end)")
