@@ -9,14 +9,13 @@ the go-beyond policy at 2.4M chips, M=8.
 import argparse
 import dataclasses
 import datetime
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
 
 from decoupled_diloco.sim import SimConfig, simulate
+from tools.run_benchmarks import machine_description
 
 # (chips, system, M, paper goodput) from the paper's table (literature.md section 1).
 PAPER = [
@@ -33,18 +32,6 @@ PAPER = [
 UPTIME_CHECKS = [(n, m) for n in (1_200_000, 2_400_000) for m in (4, 8, 16)]
 SEEDS = (0, 1, 2, 3, 4)
 TOLERANCE = 0.05
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def _run(cfg: SimConfig, system: str) -> tuple[float, float]:
@@ -148,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     sections = ["## Goodput simulator (issue 6)", ""]
     sections += [
-        f"Run {datetime.date.today().isoformat()} on {_machine()} with "
+        f"Run {datetime.date.today().isoformat()} on {machine_description()} with "
         f"`{sys.executable.split('/')[-1]} -m tools.bench_goodput --out={args.out}`. "
         "Paper setting: dense 5B, 1T tokens, MTBI 1 year per chip; one parameter set for every "
         "row (the `SimConfig` defaults, see docs/simulator.md): "

@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 
-def _machine() -> str:
+def machine_description() -> str:
+    """CPU model, core count and Python version, for the header of each result."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -50,7 +51,7 @@ def main() -> None:
     sections = [
         "# Benchmark results\n",
         f"Collected by `make bench` (`python -m tools.run_benchmarks`) on "
-        f"{datetime.date.today().isoformat()}; machine: {_machine()}.\n"
+        f"{datetime.date.today().isoformat()}; machine: {machine_description()}.\n"
         "Each section names the command that produced it and the date it was run.\n",
     ]
     for name in names:
