@@ -59,9 +59,12 @@ def render(results: dict[str, dict], started: str) -> str:
     lines = [
         "## Quality: `diloco` vs `dp` at equal tokens (foundation issue)",
         "",
-        f"Command: `python -m tools.bench_quality` (started {started}). tiny_lm on the default "
-        "corpus (Python stdlib), seed 0, AdamW 3e-3 warmup+cosine, outer Nesterov momentum 0.9; "
-        "final eval loss over 32 fixed validation batches of 16 x 128 tokens (65,536 tokens).",
+        f"Command: `python -m tools.bench_quality` (rendered {started}; runs whose output "
+        "already existed are reused, each listed with its own command below). tiny_lm on the "
+        "default corpus (Python stdlib), seed 0, AdamW 3e-3 with warmup and cosine decay; the "
+        "outer optimizer of each `diloco` row is given as lr / momentum / nesterov. Final eval "
+        "loss is over 32 fixed validation batches of 16 x 128 tokens (65,536 tokens), the same "
+        "for every run. `dp` averages gradients over the same M learners' batches every step.",
         "",
         "| run | mode | M | H | steps/learner | tokens | outer lr / momentum / nesterov | "
         "final eval loss | "
