@@ -115,7 +115,7 @@ class SyncerConfig:
     heartbeat_s: float = 0.5
     learner_timeout_s: float = 30.0
     max_grace_s: float = 2.0
-    max_staleness: int = 1
+    max_staleness: int = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,11 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext):  # noqa: D102
         self._authorize(context)
+        if not 0 <= request.learner_id < self.state.config.num_learners:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"learner id {request.learner_id} is not in [0, {self.state.config.num_learners})",
+            )
         if request.fingerprint != self.fingerprint:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -200,6 +205,7 @@ class SyncerServer:
         s = config.decoupled.syncer
         cut, values = initial_fragments(config)
         self.state = SyncerState(config, cut, values)
+        self.state.warm_up()
         self.fingerprint = F.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
         self.service = SyncerService(self.state, token or wire.run_token(s), self.fingerprint)
         self.server = grpc.server(

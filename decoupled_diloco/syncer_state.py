@@ -17,6 +17,11 @@ is dropped: acknowledged with `accepted=False, reason="late"`, counted in `late_
 state is unchanged; the learner catches up by pulling the current fragment. With
 `max_staleness = 0` this is the paper's rule ("late pushes for a merged round are dropped").
 
+Every merge makes a version, so with quorum 1 and M learners a fragment advances about M
+versions per H steps: a learner's push is typically anchored 1-2 versions back although it
+belongs to the current schedule round. The default `max_staleness` (4) keeps those; lower it
+to drop more stale work, or set 0 for the strict rule.
+
 Idempotency: (learner, fragment, round) identifies a push; a retry of one already handled gets
 the first answer again, with `duplicate=True`, and is never counted twice.
 """
@@ -24,6 +29,7 @@ the first answer again, with `duplicate=True`, and is never counted twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -109,6 +115,20 @@ class LearnerInfo:
     pushes: int = 0
 
 
+def merge_and_step(
+    tx: Any,
+    method: str,
+    is_mean_only: Any,
+    values: dict[str, Any],
+    opt_state: Any,
+    deltas: list[dict[str, Any]],
+    weights: Any,
+) -> tuple[dict[str, Any], Any]:
+    """Merges outer gradients (`outer.merge`), then applies the outer step (`outer_step`)."""
+    merged = outer.merge(deltas, weights, method, is_mean_only=is_mean_only)
+    return outer.outer_step(tx, values, opt_state, merged)
+
+
 class FragmentState:
     """Global values, outer optimizer state, version and the open round of one fragment."""
 
@@ -156,6 +176,30 @@ class SyncerState:
         self.merge_log: list[dict[str, Any]] = []
         self.seen: dict[tuple[int, int, int], PushResult] = {}
         self.lock = threading.Condition()
+        # One compiled merge + outer step per fragment: pushes are padded to `num_learners`
+        # slots with zero outer gradients of weight 0, which leave both merges unchanged.
+        self._round = jax.jit(
+            functools.partial(
+                merge_and_step,
+                self.tx,
+                config.outer.merge,
+                lambda path: is_embedding(tuple(path[0].split("/"))),
+            )
+        )
+
+    def warm_up(self) -> None:
+        """Compiles every fragment's merge now, so the first real round is not slow."""
+        m = self.config.num_learners
+        for frag in self.fragments:
+            zeros = [np.zeros_like(v) for v in frag.values]
+            tree = self._tree(frag, frag.values)
+            jax.block_until_ready(
+                self._round(tree, frag.opt_state, [self._tree(frag, zeros)] * m, np.ones(m))
+            )
+
+    @staticmethod
+    def _tree(frag: FragmentState, arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        return {s.name: a for s, a in zip(frag.specs, arrays, strict=True)}
 
     # Learners --------------------------------------------------------------------------------
 
@@ -267,22 +311,16 @@ class SyncerState:
         frag = self.fragments[p]
         pushes = [frag.pending[i] for i in sorted(frag.pending)]
         weights = [token_weight(x.tokens, x.steps) for x in pushes]
-        names = [s.name for s in frag.specs]
-
-        def as_tree(arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-            return dict(zip(names, arrays, strict=True))
-
-        merged = outer.merge(
-            [as_tree(x.delta) for x in pushes],
-            weights,
-            self.config.outer.merge,
-            is_mean_only=lambda path: is_embedding(tuple(path[0].split("/"))),
+        m = self.config.num_learners
+        zeros = self._tree(frag, [np.zeros_like(v) for v in frag.values])
+        deltas = [self._tree(frag, x.delta) for x in pushes] + [zeros] * (m - len(pushes))
+        padded = np.array(weights + [0.0] * (m - len(pushes)), np.float32)
+        new_values, opt_state = self._round(
+            self._tree(frag, frag.values), frag.opt_state, deltas, padded
         )
-        new_values, frag.opt_state = outer.outer_step(
-            self.tx, as_tree(frag.values), jax.device_get(frag.opt_state), merged
-        )
-        frag.opt_state = jax.device_get(frag.opt_state)
-        frag.values = [np.asarray(jax.device_get(new_values[n])) for n in names]
+        frag.opt_state = jax.device_get(opt_state)
+        new_values = jax.device_get(new_values)
+        frag.values = [np.asarray(new_values[s.name]) for s in frag.specs]
         frag.version += 1
         frag.merges += 1
         frag.history[frag.version] = frag.values

@@ -73,6 +73,12 @@ def train_and_evaluate(
     Returns:
       The summary and the final global parameters (host arrays).
     """
+    if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
+        from decoupled_diloco.launch import run_decoupled
+
+        config_lib.validate(config)
+        summary, params = run_decoupled(config, workdir, corpus=corpus)
+        return RunResult(summary=summary, params=params)
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(config, device_count=len(devices))
     t_start = time.perf_counter()
