@@ -257,7 +257,8 @@ def _monitor(
             learners = status["learners"]
             if learners:
                 steps = [x["step"] for x in learners.values()]
-                losses = [x["loss"] for x in learners.values()]
+                # NaN (no step yet) becomes null: every line stays valid JSON.
+                losses = [x["loss"] if x["loss"] == x["loss"] else None for x in learners.values()]
                 evals = [
                     x["eval_loss"] for x in learners.values() if x["eval_loss"] == x["eval_loss"]
                 ]
@@ -265,7 +266,9 @@ def _monitor(
                 writer.write(
                     step=int(np.mean(steps)),
                     tokens=sum(x["tokens"] for x in learners.values()),
-                    loss=float(np.nanmean(losses)) if any(v == v for v in losses) else None,
+                    loss=float(np.mean([v for v in losses if v is not None]))
+                    if any(v is not None for v in losses)
+                    else None,
                     learner_losses=losses,
                     learner_steps=steps,
                     learner_states=[x["state"] for x in learners.values()],

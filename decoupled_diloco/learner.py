@@ -135,7 +135,8 @@ class Learner:
             ] += 1
             if final:
                 return
-            wait_s = self.config.decoupled.syncer.rpc_timeout_s
+            # Short waits, so that a learner shutting down is never held by a pending pull.
+            wait_s = min(self.config.decoupled.syncer.rpc_timeout_s, 5.0)
             version = -1
             while version < 0 and not self.stop.is_set():
                 version, values = self.client.pull(self.id, p, base + 1, wait_s)
@@ -351,6 +352,10 @@ if __name__ == "__main__":
             config = config_lib.from_config_dict(flags.FLAGS.config)
             shape = _mesh_shape(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
             jax.config.update("jax_num_cpu_devices", shape[0] * shape[1])
-        main(argv)
+        try:
+            main(argv)
+        except KeyboardInterrupt:
+            # Ctrl+C: leave now; background syncs hold no state worth waiting for.
+            os._exit(130)
 
     sys.exit(app.run(_start))

@@ -283,3 +283,23 @@ def test_grace_window_follows_eq3_with_emas_and_waits_for_a_second_learner():
         [record["ema_step_s"], record["ema_quorum_s"], record["ema_sync_s"]], [ema_step, 0, 0.05]
     )
     assert record["waited_s"] >= record["grace_s"]
+
+
+def test_status_cli_shows_learners_and_fragments(syncer):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    server, client = syncer
+    client.register(0, server.fingerprint, "2x1")
+    client.heartbeat(learner_id=0, step=7, loss=3.5, state="training", versions=[0, 0])
+    root = pathlib.Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "decoupled_diloco.status", f"--syncer=127.0.0.1:{server.port}"]
+    env = {**os.environ, "DD_RUN_TOKEN": TOKEN}
+    out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "2x1" in out.stdout and "3.500" in out.stdout and "merges 0" in out.stdout
+    env["DD_RUN_TOKEN"] = "wrong"
+    out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "UNAUTHENTICATED" in out.stderr

@@ -1,0 +1,72 @@
+r"""Shows a running syncer's state: `python -m decoupled_diloco.status --syncer=HOST:PORT`.
+
+The run token comes from `DD_RUN_TOKEN` (or `--token_file`), never from the command line.
+Prints learners (state, step, loss, heartbeat age, staleness, fragment versions), fragments
+(version, merges, late and duplicate pushes) and the grace-window averages; `--json` prints
+the raw status instead.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any
+
+import grpc
+from absl import app, flags
+
+from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.config import SyncerConfig
+
+_SYNCER = flags.DEFINE_string("syncer", "127.0.0.1:50051", "HOST:PORT of the syncer.")
+_TOKEN_FILE = flags.DEFINE_string("token_file", "", "File holding the run token.")
+_TLS_CERT = flags.DEFINE_string("tls_cert", "", "PEM certificate to trust (TLS syncers).")
+_JSON = flags.DEFINE_bool("json", False, "Print the raw status JSON.")
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A human-readable table of a status dict."""
+    lines = [
+        f"{'learner':>7} {'state':>10} {'mesh':>5} {'step':>7} {'loss':>7} {'eval':>7} "
+        f"{'beat_s':>7} {'stale':>5} versions"
+    ]
+    for i, x in status["learners"].items():
+        lines.append(
+            f"{i:>7} {x['state']:>10} {x['mesh']:>5} {x['step']:>7} {x['loss']:>7.3f} "
+            f"{x['eval_loss']:>7.3f} {x['heartbeat_age_s']:>7.1f} {x['staleness']:>5} "
+            f"{x['versions']}"
+        )
+    lines.append(
+        f"{'fragment':>8} {'version':>7} {'merges':>6} {'late':>5} {'dup':>5} {'bytes':>10}"
+    )
+    for p, f in enumerate(status["fragments"]):
+        lines.append(
+            f"{p:>8} {f['version']:>7} {f['merges']:>6} {f['late_pushes']:>5} "
+            f"{f['duplicate_pushes']:>5} {f['bytes']:>10}"
+        )
+    ema = status["ema"]
+    lines.append(
+        f"merges {status['merges']}; EMA step {ema['step_s'] * 1e3:.1f} ms, quorum "
+        f"{ema['quorum_s'] * 1e3:.1f} ms, sync {ema['sync_s'] * 1e3:.1f} ms"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """Fetches and prints the status."""
+    del argv
+    token = pathlib.Path(_TOKEN_FILE.value).read_text().strip() if _TOKEN_FILE.value else ""
+    config = SyncerConfig(tls_cert=_TLS_CERT.value, retries=1, rpc_timeout_s=10.0)
+    try:
+        client = SyncerClient(_SYNCER.value, config, token)
+        status = client.status()
+    except ValueError as error:  # no token
+        sys.exit(str(error))
+    except grpc.RpcError as error:
+        sys.exit(f"{_SYNCER.value}: {error.code().name}: {error.details()}")
+    print(json.dumps(status, indent=2) if _JSON.value else format_status(status))
+
+
+if __name__ == "__main__":
+    app.run(main)

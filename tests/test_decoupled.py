@@ -1,0 +1,146 @@
+"""Decoupled mode end to end: real processes, real gRPC on 127.0.0.1, a tiny model.
+
+Each test starts a syncer and two learner processes through `python -m experiments.train`,
+waits on step counts and states (generous deadlines, no fixed sleeps), and reaps everything
+it started even when it fails.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco.comm.client import SyncerClient
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOKEN = "multiprocess-test-token"
+TINY = [
+    "--config=experiments/configs/tiny_lm.py",
+    "--config.mode=decoupled",
+    "--config.model.d_model=32",
+    "--config.model.mlp_hidden=64",
+    "--config.model.num_layers=1",
+    "--config.model.seq_len=32",
+    "--config.data.batch_size=8",
+    "--config.inner_steps=8",
+    "--config.eval.every=0",
+    "--config.eval.batches=2",
+    "--config.checkpoint.every=0",
+    "--config.log_every=20",
+    "--config.outer.merge=rda",
+]
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _children_of(workdir):
+    """PIDs of live processes whose command line names `workdir` (the learners and syncer)."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            state = next(
+                line for line in (proc / "status").read_text().splitlines() if line[:6] == "State:"
+            )
+        except (OSError, StopIteration):
+            continue
+        if str(workdir) in cmdline and "experiments.train" not in cmdline and "Z" not in state:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _launch(workdir, *args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["DD_RUN_TOKEN"] = TOKEN
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _cleanup(proc, workdir):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in _children_of(workdir):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
+    proc = _launch(tmp_path, "--config.train_steps=64", "--config.decoupled.mesh_shapes=1x1,2x1")
+    try:
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out[-3000:]
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        for key in ("mode", "num_learners", "inner_steps", "tokens", "wall_s", "final_eval_loss"):
+            assert key in summary
+        assert summary["mode"] == "decoupled" and summary["num_learners"] == 2
+        assert summary["tokens"] == 2 * 64 * 8 * 32
+        assert summary["final_eval_loss"] < 4.5  # ln(256) = 5.55 at init
+        assert [x["mesh"] for x in summary["learners"]] == ["1x1", "2x1"]
+        assert all(x["steps"] == 64 and not x["errors"] for x in summary["learners"])
+        # Both learners' pushes were merged, and each applied merged fragments it did not
+        # produce alone (versions moved past its own pushes).
+        assert summary["outer_syncs"] >= 2 * 8
+        assert all(min(x["versions"]) >= 1 for x in summary["learners"])
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert lines and lines[-1]["learner_states"] == ["done", "done"]
+        assert "[decoupled]" in out and "final eval loss" in out
+        assert _children_of(tmp_path) == []
+    finally:
+        _cleanup(proc, tmp_path)
+
+
+def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path):
+    steps = 400
+    proc = _launch(
+        tmp_path,
+        f"--config.train_steps={steps}",
+        "--config.decoupled.quorum=1",
+        "--config.decoupled.slow_learner=1",
+        "--config.decoupled.slowdown=5",
+    )
+    try:
+        port_file = tmp_path / "syncer.port"
+        _wait(port_file.exists, 120, "the syncer's port file")
+        client = SyncerClient(
+            f"127.0.0.1:{port_file.read_text()}", config_lib.SyncerConfig(), TOKEN
+        )
+
+        def fast_done():
+            learners = client.status()["learners"]
+            return learners if learners.get("0", {}).get("state") == "done" else None
+
+        learners = _wait(fast_done, 180, "the fast learner to finish")
+        client.close()
+        # Quorum 1: the fast learner never waited for the 5x slower one.
+        assert learners["0"]["step"] == steps
+        assert learners["1"]["step"] <= steps // 2, learners["1"]
+        assert proc.poll() is None and _children_of(tmp_path)  # the slow learner trains on
+        proc.send_signal(signal.SIGINT)  # Ctrl+C
+        proc.wait(timeout=60)
+        _wait(lambda: not _children_of(tmp_path), 30, "every child process to exit")
+    finally:
+        _cleanup(proc, tmp_path)
