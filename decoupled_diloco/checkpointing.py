@@ -43,13 +43,37 @@ class IslandCheckpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: PyTree, meta: dict[str, Any]) -> None:
-        """Starts an asynchronous save; the arrays may be donated as soon as this returns."""
-        self._manager.save(
+        """Starts an asynchronous save; the arrays may be donated as soon as this returns.
+
+        Raises:
+          RuntimeError: Orbax declined the save (a checkpoint at this or a later step exists).
+        """
+        saved = self._manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
             ),
         )
+        if not saved:
+            raise RuntimeError(
+                f"checkpoint {self.directory}/{step} was not written: a checkpoint at step "
+                f"{self._manager.latest_step()} already exists there"
+            )
+
+    def discard_after(self, step: int) -> None:
+        """Deletes every checkpoint newer than `step`.
+
+        Called once a restore has settled on `step`: newer checkpoints were unreadable (or
+        belong to a run that is being replaced), and Orbax would refuse to save over them.
+        """
+        for newer in [s for s in self.all_steps() if s > step]:
+            logging.warning(
+                "deleting checkpoint %s/%d, newer than the restored step %d",
+                self.directory,
+                newer,
+                step,
+            )
+            self._manager.delete(newer)
 
     def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
         """Restores `step` onto the shapes, dtypes and shardings of `abstract_state`."""

@@ -99,6 +99,10 @@ class Island:
             ),
         )
         self.batch_sharding = NamedSharding(self.mesh, P("data", None))
+        # Held-out batches keep the per-learner batch size in every mode, so on a wide data
+        # axis (dp over M learners) they may not split evenly: then each device gets all rows.
+        eval_splits = config.data.batch_size % self.mesh.shape["data"] == 0
+        self.eval_sharding = self.batch_sharding if eval_splits else self.replicated
         self.trace_count = 0
         self._init = jax.jit(self._init_fn, out_shardings=self.state_sharding)
         self._step = jax.jit(
@@ -109,7 +113,7 @@ class Island:
         )
         self._eval = jax.jit(
             self._eval_fn,
-            in_shardings=(self.param_sharding, self.batch_sharding),
+            in_shardings=(self.param_sharding, self.eval_sharding),
             out_shardings=self.replicated,
         )
 
@@ -155,5 +159,5 @@ class Island:
         """Mean loss of `params` over fixed host `batches`."""
         params = self.put_params(params)
         with jax.set_mesh(self.mesh):
-            losses = [self._eval(params, self.put_batch(b)) for b in batches]
+            losses = [self._eval(params, jax.device_put(b, self.eval_sharding)) for b in batches]
         return float(np.mean(jax.device_get(losses)))

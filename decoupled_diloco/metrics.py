@@ -11,15 +11,29 @@ from typing import Any, TextIO
 
 
 class MetricsWriter:
-    """Appends one JSON object per event to `workdir/metrics.jsonl`, flushed at once.
+    """Writes one JSON object per event to `workdir/metrics.jsonl`, flushed at once.
 
-    Appending (not truncating) keeps the history of a run that was stopped and resumed.
+    Args:
+      workdir: the run directory.
+      resume_step: the step training resumes from. Events up to it are kept, so a stopped and
+        resumed run has one history; later ones (logged after the checkpoint the run resumed
+        from) are dropped, since they are about to be logged again.
     """
 
-    def __init__(self, workdir: str | pathlib.Path):
+    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= resume_step:
+                        kept.append(line + "\n")
+                except json.JSONDecodeError:  # A line cut short by a crash.
+                    continue
+        self._file = self.path.open("w")
+        self._file.writelines(kept)
+        self._file.flush()
 
     def write(self, **event: Any) -> None:
         """Writes one event; non-finite floats become null so every line stays valid JSON."""

@@ -91,46 +91,52 @@ def train_and_evaluate(
     trainer = build_trainer(config, corpus, devices, checkpoint_dir)
     start_step = trainer.restore() if checkpoint_dir else 0
     end_step = min(config.train_steps, stop_after or config.train_steps)
-    writer = MetricsWriter(workdir) if workdir else None
+    writer = MetricsWriter(workdir, resume_step=start_step) if workdir else None
     progress = Progress(config.mode, config.train_steps, start_step)
     tokens_per_step = config.num_learners * config.tokens_per_step
     if start_step:
         print(f"[{config.mode}] resumed from checkpoint at step {start_step}", flush=True)
     evaluate = trainer.islands[0].evaluate
-    eval_loss, last_eval_step, losses = None, -1, None
+    # The global model changes only at syncs (every step in dp, every H in diloco): evaluate at
+    # the first sync at or after each multiple of `eval.every`, decided from the step alone so
+    # a resumed run evaluates where an uninterrupted one would; always at the last step.
+    sync_period = config.inner_steps if config.mode == "diloco" else 1
+    every = config.eval.every
+    eval_loss, losses = None, None
     t_log, step_log = time.perf_counter(), start_step
-    for step in range(start_step + 1, end_step + 1):
-        losses, synced = trainer.step(step)
-        eval_due = config.eval.every and step - max(last_eval_step, 0) >= config.eval.every
-        is_last = step == end_step
-        event: dict[str, Any] = {}
-        if synced and (eval_due or is_last):
-            eval_loss = evaluate(trainer.global_params(), val_batches)
-            last_eval_step = step
-            event["eval_loss"] = eval_loss
-        if step % config.log_every == 0 or is_last or event:
-            learner_losses = [float(x) for x in jax.device_get(losses)]
-            now = time.perf_counter()
-            tokens_per_s = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
-            t_log, step_log = now, step
-            progress.show(
-                step, float(np.mean(learner_losses)), tokens_per_s, event.get("eval_loss")
-            )
-            if writer:
-                writer.write(
-                    step=step,
-                    tokens=step * tokens_per_step,
-                    loss=float(np.mean(learner_losses)),
-                    learner_losses=learner_losses,
-                    wall_s=progress.elapsed(),
-                    tokens_per_s=tokens_per_s,
-                    outer_syncs=trainer.syncs,
-                    **event,
-                )
-        if checkpoint_dir and (step % config.checkpoint.every == 0 or is_last):
-            trainer.save(step)
-    for checkpointer in getattr(trainer, "checkpointers", []):
-        checkpointer.close()
+    try:
+        for step in range(start_step + 1, end_step + 1):
+            losses, synced = trainer.step(step)
+            is_last = step == end_step
+            previous_sync = (step - 1) // sync_period * sync_period
+            crossed = bool(every) and step // every > previous_sync // every
+            event: dict[str, Any] = {}
+            if is_last or (synced and crossed):
+                eval_loss = evaluate(trainer.global_params(), val_batches)
+                event["eval_loss"] = eval_loss
+            if step % config.log_every == 0 or is_last or event:
+                learner_losses = [float(x) for x in jax.device_get(losses)]
+                now = time.perf_counter()
+                tokens_per_s = (step - step_log) * tokens_per_step / max(now - t_log, 1e-9)
+                t_log, step_log = now, step
+                mean_loss = float(np.mean(learner_losses))
+                progress.show(step, mean_loss, tokens_per_s, event.get("eval_loss"))
+                if writer:
+                    writer.write(
+                        step=step,
+                        tokens=step * tokens_per_step,
+                        loss=mean_loss,
+                        learner_losses=learner_losses,
+                        wall_s=progress.elapsed(),
+                        tokens_per_s=tokens_per_s,
+                        outer_syncs=trainer.syncs,
+                        **event,
+                    )
+            if checkpoint_dir and (step % config.checkpoint.every == 0 or is_last):
+                trainer.save(step)
+    finally:  # Even on an error, let started asynchronous saves finish.
+        for checkpointer in trainer.checkpointers:
+            checkpointer.close()
     if end_step == start_step:  # Nothing left to train: report the restored model.
         eval_loss = evaluate(trainer.global_params(), val_batches)
     params = jax.device_get(trainer.global_params())

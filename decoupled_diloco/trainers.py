@@ -73,9 +73,11 @@ class DataParallelTrainer:
     def restore(self) -> int:
         """Restores the newest readable checkpoint; returns its step (0 if none)."""
         found = self.checkpointers[0].restore_latest({"inner": self.island.abstract_state})
+        step = found[0] if found else 0
+        self.checkpointers[0].discard_after(step)
         if found is None:
             return 0
-        step, state, meta = found
+        _, state, meta = found
         self.state = state["inner"]
         for it, it_state in zip(self.iterators, meta["data"], strict=True):
             it.set_state(it_state)
@@ -187,9 +189,15 @@ class DiLoCoTrainer:
                 self.anchor = jax.device_get(restored[0][1]["anchor"])
                 self.outer_state = jax.device_get(restored[0][1]["outer"])
                 self.syncs = restored[0][2].get("syncs", 0)
+                self._discard_after(step)
                 return step
             common.discard(step)
+        self._discard_after(0)
         return 0
+
+    def _discard_after(self, step: int) -> None:
+        for checkpointer in self.checkpointers:
+            checkpointer.discard_after(step)
 
 
 def _outer_round(

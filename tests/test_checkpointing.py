@@ -1,6 +1,8 @@
 """Checkpoints: exact resume, and fallback past a corrupt latest checkpoint."""
 
+import json
 import logging
+import shutil
 
 import jax
 import numpy as np
@@ -28,6 +30,29 @@ def test_resume_is_bit_exact(mode, corpus, tmp_path):
     assert resumed.summary["outer_syncs"] == straight.summary["outer_syncs"]
     for got, want in zip(_leaves(resumed.params), _leaves(straight.params), strict=True):
         np.testing.assert_array_equal(got, want)
+    # One history: the resumed run's log is the uninterrupted one (same steps, losses and
+    # evals), plus the one event the stopped invocation wrote when it stopped at step 6.
+    resumed_events = _events(tmp_path / "resumed")
+    assert [e[0] for e in resumed_events].count(6) == 1
+    assert [e for e in resumed_events if e[0] != 6] == _events(tmp_path / "straight")
+
+
+def _events(workdir):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [(e["step"], e["loss"], e.get("eval_loss")) for e in map(json.loads, lines)]
+
+
+def test_checkpoint_followed_by_donating_steps_restores_exactly(corpus, tmp_path):
+    # The step-6 checkpoint is saved asynchronously while steps 7-9 donate the same buffers.
+    config = tiny_config(train_steps=9, inner_steps=4, **{"checkpoint.every": 3})
+    straight = train_and_evaluate(config, tmp_path / "straight", corpus=corpus)
+    shutil.copytree(tmp_path / "straight", tmp_path / "copy")
+    for learner in (tmp_path / "copy" / "checkpoints").iterdir():
+        shutil.rmtree(learner / "9")
+    resumed = train_and_evaluate(config, tmp_path / "copy", corpus=corpus)
+    assert resumed.summary["resumed_from_step"] == 6
+    for got, want in zip(_leaves(resumed.params), _leaves(straight.params), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(corpus, tmp_path, caplog):
@@ -46,3 +71,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(corpus, tmp_path, capl
         assert trainer.restore() == 3
     assert "learner_0/6 is unreadable" in caplog.text
     assert trainer.syncs == 1
+    # The unreadable step is discarded, so training on past it checkpoints step 6 anew.
+    assert sorted(p.name for p in learner0.iterdir() if p.name.isdigit()) == ["3"]
+    train_and_evaluate(config, tmp_path, corpus=corpus)
+    again = build_trainer(config, corpus, jax.devices(), tmp_path / "checkpoints")
+    assert again.restore() == 6

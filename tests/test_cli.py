@@ -48,7 +48,7 @@ def test_cli_trains_and_writes_summary(tmp_path):
     assert (tmp_path / "checkpoints" / "learner_1" / "6").is_dir()
 
 
-def test_cli_rejects_a_bad_config_before_compiling(tmp_path):
+def test_cli_rejects_a_bad_config_naming_the_field(tmp_path):
     proc = _run([*TINY, "--config.inner_steps=0"], tmp_path)
     assert proc.returncode != 0
     assert "config.inner_steps: H must be >= 1" in proc.stderr

@@ -46,6 +46,9 @@ def test_two_islands_on_disjoint_meshes_match_a_single_process_reference(corpus)
     for step in range(1, steps + 1):
         trainer.step(step)
     assert trainer.syncs == 1
+    for state in trainer.states:  # every island restarts from the new global parameters
+        for got, want in zip(_leaves(state.params), _leaves(trainer.global_params()), strict=True):
+            np.testing.assert_array_equal(got, want)
 
     # Reference: each learner trained alone on one device, then the outer step in numpy.
     ref_island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
@@ -64,6 +67,13 @@ def test_two_islands_on_disjoint_meshes_match_a_single_process_reference(corpus)
         momentum = delta  # first outer step: m = Δ
         want = anchor[i] - lr * (delta + mu * momentum)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_dp_evaluates_when_learners_do_not_divide_the_eval_batch(corpus):
+    # 3 learners: dp's data axis is 3 wide, the held-out batches have 8 rows.
+    config = tiny_config(mode="dp", num_learners=3, train_steps=2, **{"eval.every": 1})
+    result = train_and_evaluate(config, None, devices=jax.devices()[:4], corpus=corpus)
+    assert np.isfinite(result.summary["final_eval_loss"])
 
 
 def test_diloco_and_dp_learn(corpus, tmp_path):

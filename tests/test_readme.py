@@ -13,5 +13,5 @@ def test_readme_python_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(blocks[0], "README.md", "exec"), namespace)  # noqa: S102
-    assert namespace["result"].summary["final_eval_loss"] < 5.5
+    assert namespace["result"].summary["final_eval_loss"] < 5.0  # ln(256) = 5.55 untrained
     assert (tmp_path / "runs" / "api" / "summary.json").exists()

@@ -34,9 +34,12 @@ def machine_description() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", default="", help="comma-separated benchmark names")
+    parser.add_argument(
+        "--collect", action="store_true", help="only rebuild RESULTS.md from the saved sections"
+    )
     args = parser.parse_args()
     names = sorted(p.stem[len("bench_") :] for p in (ROOT / "tools").glob("bench_*.py"))
-    chosen = [n for n in args.only.split(",") if n] or names
+    chosen = [] if args.collect else ([n for n in args.only.split(",") if n] or names)
     unknown = sorted(set(chosen) - set(names))
     if unknown:
         sys.exit(f"unknown benchmark(s) {unknown}; available: {names}")
@@ -52,7 +55,8 @@ def main() -> None:
         "# Benchmark results\n",
         f"Collected by `make bench` (`python -m tools.run_benchmarks`) on "
         f"{datetime.date.today().isoformat()}; machine: {machine_description()}.\n"
-        "Each section names the command that produced it and the date it was run.\n",
+        "Each section names the command that produced it and the date it was run; "
+        "`benchmarks/results/NAME.md` holds each section as its benchmark last wrote it.\n",
     ]
     for name in names:
         path = RESULTS_DIR / f"{name}.md"
