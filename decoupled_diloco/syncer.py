@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 import numpy as np
@@ -56,7 +57,8 @@ class SyncerService(pb_grpc.SyncerServicer):
     def __init__(self, state: SyncerState, token: str, fingerprint: str):
         self.state, self.token, self.fingerprint = state, token, fingerprint
         self.syncer_config = state.config.decoupled.syncer
-        self._encoded: dict[tuple[int, int], bytes] = {}
+        # Encoded pull chunks per (fragment, version): encoded once, shared by every learner.
+        self._encoded: dict[tuple[int, int], list[bytes]] = {}
         self._encode_lock = threading.Lock()
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
@@ -116,10 +118,11 @@ class SyncerService(pb_grpc.SyncerServicer):
 
         return pb.StatusReply(json=json.dumps(self.state.status()))
 
-    def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext):  # noqa: D102
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
         self._authorize(context)
         invalid, exhausted = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
-        first = next(request_iterator, None)
+        raw = next(request_iterator, None)
+        first = pb.PushChunk.FromString(raw) if raw is not None else None
         if first is None or not first.HasField("header"):
             context.abort(invalid, "a push must start with a header")
         h = first.header
@@ -143,13 +146,16 @@ class SyncerService(pb_grpc.SyncerServicer):
             )
         if h.base_version > self.state.fragments[h.fragment].version:
             context.abort(invalid, f"base version {h.base_version} is from the future")
-        buffer = bytearray(first.data)
-        for chunk in request_iterator:
-            buffer += chunk.data
-            if len(buffer) > limit:
+        pieces, received = [first.data], len(first.data)
+        for raw in request_iterator:
+            data = wire.parse_data_chunk(wire.PUSH_DATA_TAG, raw)
+            data = data if data is not None else pb.PushChunk.FromString(raw).data
+            pieces.append(data)
+            received += len(data)
+            if received > limit:
                 context.abort(exhausted, f"payload passed the {limit}-byte limit")
         try:
-            delta = wire.from_bytes(bytes(buffer), specs)
+            delta = wire.from_bytes(b"".join(pieces), specs)
         except wire.PayloadError as error:
             context.abort(invalid, f"fragment {h.fragment}: {error}")
         result = self.state.push(
@@ -162,12 +168,16 @@ class SyncerService(pb_grpc.SyncerServicer):
             version=result.version,
         )
 
-    def _payload(self, p: int, version: int, values: list[np.ndarray]) -> bytes:
-        with self._encode_lock:  # Encode each version once, whoever pulls it.
+    def _payload(self, p: int, version: int, values: list[np.ndarray]) -> list[bytes]:
+        """The chunks of one fragment version, cut once and shared by every learner's pull."""
+        with self._encode_lock:
             key = (p, version)
             if key not in self._encoded:
                 self._encoded = {k: v for k, v in self._encoded.items() if k[0] != p}
-                self._encoded[key] = wire.to_bytes(values)
+                chunk_bytes = self.syncer_config.chunk_bytes
+                self._encoded[key] = list(wire.chunk_arrays(values, chunk_bytes))
+                tail = self._encoded[key][1:]
+                self._encoded[key][1:] = [wire.data_chunk(wire.PULL_DATA_TAG, c) for c in tail]
             return self._encoded[key]
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):  # noqa: D102
@@ -179,16 +189,48 @@ class SyncerService(pb_grpc.SyncerServicer):
             yield pb.FragmentChunk(fragment=request.fragment, version=-1)
             return
         specs = self.state.fragments[request.fragment].specs
-        payload = self._payload(request.fragment, version, values)
-        for i, piece in enumerate(wire.chunks(payload, self.syncer_config.chunk_bytes)):
-            yield pb.FragmentChunk(
-                fragment=request.fragment,
-                version=version,
-                tensors=wire.headers(specs) if i == 0 else [],
-                total_bytes=len(payload),
-                data=bytes(piece),
-            )
+        pieces = self._payload(request.fragment, version, values)
+        total = sum(s.nbytes for s in specs)
+        yield pb.FragmentChunk(
+            fragment=request.fragment,
+            version=version,
+            tensors=wire.headers(specs),
+            total_bytes=total,
+            data=pieces[0],
+        )
+        yield from pieces[1:]  # already encoded data-only chunks
         self.state.record_sync_time(request.fragment, version)
+
+
+def _serialize(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_service(service: SyncerService, server: grpc.Server) -> None:
+    """Registers the handlers; the data calls take and give raw bytes (see `wire.data_chunk`).
+
+    Mirrors the generated `add_SyncerServicer_to_server`, except that Push requests arrive
+    unparsed and Pull responses may be pre-encoded bytes, which saves two copies per chunk.
+    """
+    handlers = {
+        "Register": grpc.unary_unary_rpc_method_handler(
+            service.Register, pb.RegisterRequest.FromString, _serialize
+        ),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            service.Heartbeat, pb.HeartbeatRequest.FromString, _serialize
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            service.Status, pb.StatusRequest.FromString, _serialize
+        ),
+        "Push": grpc.stream_unary_rpc_method_handler(service.Push, None, _serialize),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            service.Pull, pb.PullRequest.FromString, _serialize
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("decoupled_diloco.Syncer", handlers),)
+    )
+    server.add_registered_method_handlers("decoupled_diloco.Syncer", handlers)
 
 
 class SyncerServer:
@@ -212,7 +254,7 @@ class SyncerServer:
             futures.ThreadPoolExecutor(max_workers=4 * config.num_learners + 8),
             options=wire.channel_options(s.chunk_bytes),
         )
-        pb_grpc.add_SyncerServicer_to_server(self.service, self.server)
+        add_service(self.service, self.server)
         address = f"{host or s.host}:{port if port >= 0 else s.port}"
         credentials = wire.server_credentials(s)
         if credentials is None:

@@ -257,9 +257,10 @@ class SyncerState:
             return result
 
     def _add(self, frag: FragmentState, push: Push) -> None:
-        base = frag.history[push.base_version]
-        # θ_m = Θ^(b) − Δ, re-anchored at the current Θ (identity when b is current).
-        delta = [cur - (b - d) for cur, b, d in zip(frag.values, base, push.delta, strict=True)]
+        delta = push.delta
+        if push.base_version != frag.version:  # θ_m = Θ^(b) − Δ, re-anchored at the current Θ.
+            base = frag.history[push.base_version]
+            delta = [c - (b - d) for c, b, d in zip(frag.values, base, delta, strict=True)]
         previous = frag.pending.get(push.learner_id)
         if previous is not None:  # A newer push from the same learner supersedes the older one.
             push = dataclasses.replace(

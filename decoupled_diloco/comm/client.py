@@ -35,6 +35,17 @@ class SyncerClient:
         self.address, self.config = address, config
         self.channel = wire.make_channel(address, config)
         self.stub = pb_grpc.SyncerStub(self.channel)
+        # The data calls move pre-encoded chunks (see `wire.data_chunk`): raw bytes both ways.
+        self._push = self.channel.stream_unary(
+            "/decoupled_diloco.Syncer/Push",
+            request_serializer=None,
+            response_deserializer=pb.PushReply.FromString,
+        )
+        self._pull = self.channel.unary_stream(
+            "/decoupled_diloco.Syncer/Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+            response_deserializer=None,
+        )
         self.metadata = ((wire.TOKEN_HEADER, token or wire.run_token(config)),)
         self.retries_done = 0
 
@@ -86,13 +97,16 @@ class SyncerClient:
         return json.loads(reply.json)
 
     def push_chunks(
-        self, header: pb.PushHeader, payload: bytes
-    ) -> Callable[[], Iterator[pb.PushChunk]]:
-        """A factory of the chunk stream (a retry needs a fresh iterator)."""
+        self, header: pb.PushHeader, arrays: Sequence[np.ndarray]
+    ) -> Callable[[], Iterator[bytes]]:
+        """A factory of the encoded chunk stream (a retry needs a fresh iterator)."""
 
-        def stream() -> Iterator[pb.PushChunk]:
-            for i, piece in enumerate(wire.chunks(payload, self.config.chunk_bytes)):
-                yield pb.PushChunk(header=header if i == 0 else None, data=bytes(piece))
+        def stream() -> Iterator[bytes]:
+            for i, piece in enumerate(wire.chunk_arrays(arrays, self.config.chunk_bytes)):
+                if i == 0:
+                    yield pb.PushChunk(header=header, data=piece).SerializeToString()
+                else:
+                    yield wire.data_chunk(wire.PUSH_DATA_TAG, piece)
 
         return stream
 
@@ -109,7 +123,6 @@ class SyncerClient:
         arrays: Sequence[np.ndarray],
     ) -> pb.PushReply:
         """Streams one fragment's outer gradient; retried safely (idempotent per round)."""
-        payload = wire.to_bytes(arrays)
         header = pb.PushHeader(
             learner_id=learner_id,
             fragment=fragment,
@@ -118,13 +131,11 @@ class SyncerClient:
             steps=steps,
             tokens=tokens,
             tensors=wire.headers(specs),
-            total_bytes=len(payload),
+            total_bytes=sum(np.asarray(a).nbytes for a in arrays),
         )
-        stream = self.push_chunks(header, payload)
+        stream = self.push_chunks(header, arrays)
         return self._call(
-            lambda: self.stub.Push(
-                stream(), timeout=self.config.rpc_timeout_s, metadata=self.metadata
-            )
+            lambda: self._push(stream(), timeout=self.config.rpc_timeout_s, metadata=self.metadata)
         )
 
     def pull(
@@ -136,18 +147,20 @@ class SyncerClient:
         )
 
         def call() -> tuple[int, list[np.ndarray]]:
-            stream = self.stub.Pull(
+            stream = self._pull(
                 request, timeout=wait_s + self.config.rpc_timeout_s, metadata=self.metadata
             )
-            first = next(stream)
+            first = pb.FragmentChunk.FromString(next(stream))
             if first.version < 0:
                 return -1, []
-            buffer = bytearray(first.data)
-            for chunk in stream:
-                buffer += chunk.data
+            pieces = [first.data]
+            for raw in stream:
+                view = wire.parse_data_chunk(wire.PULL_DATA_TAG, raw)
+                pieces.append(view if view is not None else pb.FragmentChunk.FromString(raw).data)
             specs = [
                 TensorSpec(i, t.name, tuple(t.shape), t.dtype) for i, t in enumerate(first.tensors)
             ]
-            return first.version, wire.from_bytes(bytes(buffer), specs)
+            # The syncer validated every push and merges finite values: no second scan here.
+            return first.version, wire.from_bytes(b"".join(pieces), specs, require_finite=False)
 
         return self._call(call)

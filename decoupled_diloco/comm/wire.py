@@ -25,6 +25,13 @@ TOKEN_ENV = "DD_RUN_TOKEN"
 MAX_MESSAGE_BYTES = 64 << 20
 
 
+# Protobuf tags (field number << 3 | length-delimited) of the `data` fields of PushChunk (2) and
+# FragmentChunk (5). Chunks after the first carry only `data`; their encoding is then exactly
+# tag + varint length + bytes, which both ends write and read without a protobuf copy.
+PUSH_DATA_TAG = 2 << 3 | 2
+PULL_DATA_TAG = 5 << 3 | 2
+
+
 class PayloadError(ValueError):
     """A payload that does not match what the receiver expects; the message says why."""
 
@@ -59,10 +66,65 @@ def headers(specs: Sequence[TensorSpec]) -> list[pb.TensorHeader]:
 
 
 def to_bytes(arrays: Sequence[np.ndarray]) -> bytes:
-    """The arrays' little-endian bytes, concatenated."""
+    """The arrays' little-endian bytes, concatenated (one copy on little-endian hosts)."""
     return b"".join(
-        np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes() for a in arrays
+        memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))).cast("B")
+        for a in arrays
     )
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def data_chunk(tag: int, data: bytes) -> bytes:
+    """The protobuf encoding of a chunk message whose only field is `data` (one copy)."""
+    return b"".join((bytes([tag]), _varint(len(data)), data))
+
+
+def parse_data_chunk(tag: int, raw: bytes) -> memoryview | None:
+    """The `data` of a data-only chunk as a view on `raw`, or None if `raw` is anything else.
+
+    Anything that is not exactly tag + length + bytes (e.g. a chunk with a header) returns None
+    and goes through the regular protobuf parser.
+    """
+    if len(raw) < 2 or raw[0] != tag:
+        return None
+    length, shift, pos = 0, 0, 1
+    while pos < len(raw) and shift < 64:
+        byte = raw[pos]
+        length |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return memoryview(raw)[pos:] if pos + length == len(raw) else None
+    return None
+
+
+def chunk_arrays(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[bytes]:
+    """The arrays' little-endian bytes cut into chunks, copied once (no concatenated buffer)."""
+    views = [
+        memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))).cast("B")
+        for a in arrays
+    ]
+    parts: list[memoryview] = []
+    size = 0
+    for view in views:
+        start = 0
+        while start < len(view):
+            take = min(chunk_bytes - size, len(view) - start)
+            parts.append(view[start : start + take])
+            size += take
+            start += take
+            if size == chunk_bytes:
+                yield parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+                parts, size = [], 0
+    if parts or not any(len(v) for v in views):
+        yield b"".join(parts)
 
 
 def chunks(payload: bytes | memoryview, chunk_bytes: int) -> Iterator[memoryview]:
@@ -97,7 +159,7 @@ def check_headers(got: Sequence[pb.TensorHeader], want: Sequence[TensorSpec]) ->
 def from_bytes(
     payload: bytes, specs: Sequence[TensorSpec], require_finite: bool = True
 ) -> list[np.ndarray]:
-    """Splits a checked payload back into arrays (copies, so the buffer can be released).
+    """Splits a checked payload back into arrays: read-only views on `payload`, no copies.
 
     Raises:
       PayloadError: wrong total size, or (with `require_finite`) a NaN or infinity.
@@ -111,8 +173,10 @@ def from_bytes(
         flat = np.frombuffer(
             payload, dtype=dtype, count=spec.nbytes // dtype.itemsize, offset=offset
         )
-        array = flat.reshape(spec.shape).astype(np.dtype(spec.dtype))
-        if require_finite and not np.all(np.isfinite(array)):
+        array = flat.reshape(spec.shape).astype(np.dtype(spec.dtype), copy=False)
+        # One cheap pass (a sum is NaN/inf if any element is); the exact check only on alarm,
+        # so a huge-but-finite tensor whose sum overflows is still accepted.
+        if require_finite and not np.isfinite(array.sum()) and not np.isfinite(array).all():
             raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
         arrays.append(array)
         offset += spec.nbytes
