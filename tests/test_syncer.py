@@ -303,3 +303,38 @@ def test_status_cli_shows_learners_and_fragments(syncer):
     env["DD_RUN_TOKEN"] = "wrong"
     out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "UNAUTHENTICATED" in out.stderr
+
+
+def test_tls_syncer_serves_tls_clients_only(tmp_path):
+    import dataclasses
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed; it only makes the test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+    )
+    config = _config(
+        **{"decoupled.syncer.tls_cert": str(cert), "decoupled.syncer.tls_key": str(key)}
+    )
+    server = SyncerServer(config, host="127.0.0.1", port=0, token=TOKEN).start()
+    try:
+        tls = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, TOKEN)
+        assert tls.status()["merges"] == 0
+        tls.close()
+        plain_config = dataclasses.replace(
+            config.decoupled.syncer, tls_cert="", tls_key="", retries=0, rpc_timeout_s=5.0
+        )
+        plain = SyncerClient(f"127.0.0.1:{server.port}", plain_config, TOKEN)
+        with pytest.raises(grpc.RpcError) as info:
+            plain.status()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        plain.close()
+    finally:
+        server.stop(0)

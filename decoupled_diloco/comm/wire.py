@@ -176,8 +176,11 @@ def from_bytes(
         array = flat.reshape(spec.shape).astype(np.dtype(spec.dtype), copy=False)
         # One cheap pass (a sum is NaN/inf if any element is); the exact check only on alarm,
         # so a huge-but-finite tensor whose sum overflows is still accepted.
-        if require_finite and not np.isfinite(array.sum()) and not np.isfinite(array).all():
-            raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
+        if require_finite:
+            with np.errstate(over="ignore", invalid="ignore"):
+                alarm = not np.isfinite(array.sum())
+            if alarm and not np.isfinite(array).all():
+                raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
         arrays.append(array)
         offset += spec.nbytes
     return arrays
