@@ -63,12 +63,17 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
-    """Outer optimizer (SGD, optionally Nesterov momentum) and the merge of outer gradients."""
+    """Outer optimizer (SGD, optionally Nesterov momentum) and the merge of outer gradients.
+
+    `delayed_nesterov` = N > 0 applies the momentum only every N outer steps (Async Local-SGD's
+    delayed Nesterov); 0 is the plain (Nesterov) momentum step every time.
+    """
 
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
     merge: str = "mean"
+    delayed_nesterov: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +128,8 @@ class DecoupledConfig:
     """Decoupled DiLoCo: fragments, overlap, quorum, merge-back and heterogeneity knobs.
 
     `mesh_shapes` gives each learner its own mesh, e.g. "1x1,2x1" (empty: all use `mesh.shape`).
-    `slow_learner` (-1: none) runs `slowdown` times slower, standing in for older hardware.
+    `dynamic_local_updates` (Async Local-SGD's DyLU) scales a learner's H by its speed relative
+    to the fastest learner, so that slow learners sync as often in wall time as fast ones.
     """
 
     fragments: int = 2
@@ -133,14 +139,17 @@ class DecoupledConfig:
     grace_safety: float = 0.5
     ema_decay: float = 0.8
     mesh_shapes: str = ""
-    slow_learner: int = -1
-    slowdown: float = 1.0
+    dynamic_local_updates: bool = False
     syncer: SyncerConfig = SyncerConfig()
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """A whole run. Field names are the `--config.X` flags."""
+    """A whole run. Field names are the `--config.X` flags.
+
+    `slow_learner` (-1: none) makes that learner's steps `slowdown` times slower, standing in
+    for older hardware, in every mode (a synchronous mode then waits for it).
+    """
 
     mode: str = "diloco"
     num_learners: int = 2
@@ -148,6 +157,8 @@ class ExperimentConfig:
     train_steps: int = 300
     seed: int = 0
     log_every: int = 10
+    slow_learner: int = -1
+    slowdown: float = 1.0
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
@@ -298,12 +309,6 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
     _check(0 <= d.alpha < 1, "decoupled.alpha", f"must be in [0, 1), got {d.alpha}")
     _check(0 <= d.grace_safety <= 1, "decoupled.grace_safety", "gamma must be in [0, 1]")
     _check(0 <= d.ema_decay < 1, "decoupled.ema_decay", "must be in [0, 1)")
-    _check(
-        d.slow_learner < c.num_learners,
-        "decoupled.slow_learner",
-        f"no learner {d.slow_learner} among {c.num_learners}",
-    )
-    _check(d.slowdown >= 1, "decoupled.slowdown", f"must be >= 1, got {d.slowdown}")
     _check(0 <= s.port < 65536, "decoupled.syncer.port", f"not a port: {s.port}")
     _check(bool(s.tls_cert) == bool(s.tls_key), "decoupled.syncer.tls_key", "set both or neither")
     _check(s.chunk_bytes >= 1024, "decoupled.syncer.chunk_bytes", "must be >= 1024")
@@ -333,6 +338,12 @@ def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
     _check(c.inner_steps >= 1, "inner_steps", f"H must be >= 1, got {c.inner_steps}")
     _check(c.train_steps >= 1, "train_steps", f"must be >= 1, got {c.train_steps}")
     _check(c.log_every >= 1, "log_every", f"must be >= 1, got {c.log_every}")
+    _check(
+        c.slow_learner < c.num_learners,
+        "slow_learner",
+        f"no learner {c.slow_learner} among {c.num_learners}",
+    )
+    _check(c.slowdown >= 1, "slowdown", f"must be >= 1, got {c.slowdown}")
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_hidden", "seq_len"):
         value = getattr(m, name)
         _check(value >= 1, f"model.{name}", f"must be >= 1, got {value}")
@@ -355,6 +366,7 @@ def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
     _check(
         0 <= c.outer.momentum < 1, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}"
     )
+    _check(c.outer.delayed_nesterov >= 0, "outer.delayed_nesterov", "N must be >= 0 (0: off)")
     _check(
         c.outer.merge in MERGES,
         "outer.merge",

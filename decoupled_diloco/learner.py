@@ -81,6 +81,10 @@ class Learner:
         self.steps_since = [0] * num
         self.tokens_since = [0] * num
         self.rounds = [0] * num
+        # Staggered schedule as "next due step" per fragment: o_p first, then every H steps
+        # (or this learner's dynamic H, see `local_h`).
+        self.next_due = [F.offset(p, num, config.inner_steps) for p in range(num)]
+        self.fastest_step_s = 0.0
         self.inbox: dict[int, Inbound] = {}
         self.inbox_lock = threading.Lock()
         self.pool = futures.ThreadPoolExecutor(max_workers=num + 1)
@@ -154,9 +158,29 @@ class Learner:
         while not self.stop.wait(self.config.decoupled.syncer.heartbeat_s):
             self._heartbeat("training")
 
+    def due(self, step: int) -> list[int]:
+        """The fragments due after `step`; schedules each one's next push."""
+        due = [p for p, at in enumerate(self.next_due) if step >= at]
+        for p in due:
+            self.next_due[p] = step + self.local_h()
+        return due
+
+    def local_h(self) -> int:
+        """Inner steps until a pushed fragment is due again.
+
+        H, or with dynamic local updates ⌊H · t_fastest / t_own⌋ (at least 1): a learner k times
+        slower than the fastest syncs every H/k of its steps, i.e. as often in wall time.
+        """
+        H = self.config.inner_steps
+        if not self.config.decoupled.dynamic_local_updates:
+            return H
+        if self.fastest_step_s <= 0 or self.step_time_s <= 0:
+            return H
+        return max(1, int(H * min(self.fastest_step_s / self.step_time_s, 1.0)))
+
     def _heartbeat(self, state: str) -> None:
         try:
-            self.client.heartbeat(
+            reply = self.client.heartbeat(
                 learner_id=self.id,
                 step=self.step,
                 tokens=self.tokens,
@@ -167,6 +191,7 @@ class Learner:
                 step_time_s=self.step_time_s,
                 eval_loss=self.eval_loss,
             )
+            self.fastest_step_s = reply.fastest_step_time_s
         except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
             print(f"[learner {self.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)
 
@@ -240,7 +265,6 @@ class Learner:
         beat.start()
         t_start = t_log = time.perf_counter()
         step_log = 0
-        P, H = len(self.cut), c.inner_steps
         for step in range(1, c.train_steps + 1):
             state = self._apply_arrivals(state)
             t_step = time.perf_counter()
@@ -249,10 +273,10 @@ class Learner:
                 self.loss.block_until_ready()
                 time.sleep((self.slowdown - 1) * (time.perf_counter() - t_step))
             self.step, self.tokens = step, self.tokens + c.tokens_per_step
-            for p in range(P):
+            for p in range(len(self.cut)):
                 self.steps_since[p] += 1
                 self.tokens_since[p] += c.tokens_per_step
-            for p in F.due_fragments(step, P, H):
+            for p in self.due(step):
                 self._launch(state, p)
             if c.eval.every and step % c.eval.every == 0:
                 self.eval_loss = self.island.evaluate(state.params, val)
@@ -266,7 +290,7 @@ class Learner:
                     flush=True,
                 )
         train_wall = time.perf_counter() - t_start
-        for p in range(P):  # Final flush: the steps since each fragment's last push.
+        for p in range(len(self.cut)):  # Final flush: the steps since each fragment's last push.
             if self.steps_since[p]:
                 self._launch(state, p, final=True)
         t0 = time.perf_counter()
@@ -317,8 +341,9 @@ def main(argv: list[str]) -> None:
     values = flags.FLAGS
     config = config_lib.from_config_dict(values.config)
     shape = _mesh_shape(config, values.learner_id, values.mesh_shape)
-    d = config.decoupled
-    slowdown = values.slowdown or (d.slowdown if d.slow_learner == values.learner_id else 1.0)
+    slowdown = values.slowdown or (
+        config.slowdown if config.slow_learner == values.learner_id else 1.0
+    )
     learner = Learner(config, values.learner_id, values.syncer, mesh_shape=shape, slowdown=slowdown)
     learner.connect()
     summary = learner.run()

@@ -10,7 +10,7 @@ All functions are pure and work on any pytree of arrays (numpy or jax); they onl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,10 +108,55 @@ def merge(
     return jax.tree.map_with_path(leaf, *deltas)
 
 
+class DelayedNesterovState(NamedTuple):
+    """Outer steps taken, the momentum, and the sum of the outer gradients since it last moved."""
+
+    count: jax.Array
+    momentum: PyTree
+    buffer: PyTree
+
+
+def delayed_nesterov(lr: float, momentum: float, every: int) -> optax.GradientTransformation:
+    """Delayed Nesterov (Async Local-SGD, arXiv 2401.09135).
+
+    Each outer step moves the parameters by −lr·g/N without momentum; every N-th step also sets
+    m ← β·m + mean(g₁…g_N) and moves by −lr·β·m. Over N steps this is one Nesterov step on the
+    averaged outer gradient, so stale asynchronous updates do not compound through the momentum.
+    With N = 1 it is exactly SGD with Nesterov momentum.
+    """
+
+    def init(params: PyTree) -> DelayedNesterovState:
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return DelayedNesterovState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+    def update(
+        grads: PyTree, state: DelayedNesterovState, params: PyTree = None
+    ) -> tuple[PyTree, DelayedNesterovState]:
+        del params
+        count = state.count + 1
+        due = count % every == 0
+        buffer = jax.tree.map(lambda b, g: b + g, state.buffer, grads)
+        new_m = jax.tree.map(
+            lambda m, b: jnp.where(due, momentum * m + b / every, m), state.momentum, buffer
+        )
+        updates = jax.tree.map(
+            lambda g, m: -lr * (g / every + jnp.where(due, momentum * m, 0.0)), grads, new_m
+        )
+        buffer = jax.tree.map(lambda b: jnp.where(due, jnp.zeros_like(b), b), buffer)
+        return updates, DelayedNesterovState(count, new_m, buffer)
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_outer_optimizer(
-    lr: float, momentum: float, nesterov: bool
+    lr: float, momentum: float, nesterov: bool, delayed: int = 0
 ) -> optax.GradientTransformation:
-    """The outer optimizer: SGD with (optionally Nesterov) momentum, as in DiLoCo (0.7 / 0.9)."""
+    """The outer optimizer: SGD with (optionally Nesterov) momentum, as in DiLoCo (0.7 / 0.9).
+
+    With `delayed` = N > 0 it is `delayed_nesterov(lr, momentum, N)` instead.
+    """
+    if delayed > 0:
+        return delayed_nesterov(lr, momentum, delayed)
     return optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov)
 
 

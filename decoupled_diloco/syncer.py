@@ -110,7 +110,9 @@ class SyncerService(pb_grpc.SyncerServicer):
             blocked_s=request.blocked_s,
             step_time_s=request.step_time_s,
         )
-        return pb.HeartbeatReply(versions=versions)
+        return pb.HeartbeatReply(
+            versions=versions, fastest_step_time_s=self.state.fastest_step_time()
+        )
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext):  # noqa: D102
         self._authorize(context)

@@ -165,7 +165,10 @@ class SyncerState:
         self.config, self.clock = config, clock
         d = config.decoupled
         self.tx = outer.make_outer_optimizer(
-            config.outer.lr, config.outer.momentum, config.outer.nesterov
+            config.outer.lr,
+            config.outer.momentum,
+            config.outer.nesterov,
+            config.outer.delayed_nesterov,
         )
         self.fragments = [
             FragmentState(specs, values, self.tx)
@@ -211,6 +214,13 @@ class SyncerState:
             for i, info in self.learners.items()
             if info.state != "done" and now - info.last_seen <= timeout
         ]
+
+    def fastest_step_time(self) -> float:
+        """The shortest recent step time among live learners (0 when none reported yet)."""
+        with self.lock:
+            live = self.live_learners(self.clock())
+            times = [self.learners[i].step_time_s for i in live if self.learners[i].step_time_s > 0]
+            return min(times, default=0.0)
 
     def register(self, learner_id: int, mesh: str) -> list[int]:
         """Registers (or re-registers) a learner; returns the fragment versions."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,17 @@ from decoupled_diloco.model import Params, is_embedding
 PyTree = Any
 
 
+def slow_down(config: ExperimentConfig, learner: int, t_start: float, loss: jax.Array) -> None:
+    """Stretches learner `learner`'s step to `slowdown` times its length, if it is the slow one.
+
+    A stand-in for older hardware: the step is finished, then the learner sleeps
+    (slowdown - 1) times as long as the step took.
+    """
+    if learner == config.slow_learner and config.slowdown > 1:
+        loss.block_until_ready()
+        time.sleep((config.slowdown - 1) * (time.perf_counter() - t_start))
+
+
 class DataParallelTrainer:
     """Synchronous data parallelism over the M learners' devices and data shards."""
 
@@ -39,6 +51,7 @@ class DataParallelTrainer:
         checkpoint_dir: pathlib.Path | None,
     ):
         m, (data_axis, model_axis) = config.num_learners, config.mesh.shape
+        self.config = config
         self.iterators = list(iterators)
         self.island = Island(
             config,
@@ -58,7 +71,10 @@ class DataParallelTrainer:
     def step(self, step: int) -> tuple[list[jax.Array], bool]:
         """One synchronous step; returns the loss (as a one-element list) and `synced=True`."""
         batch = np.concatenate([next(it) for it in self.iterators])
+        t_start = time.perf_counter()
         self.state, loss = self.island.step(self.state, batch)
+        # Every learner's devices are in this one step: a slow learner slows all of them.
+        slow_down(self.config, self.config.slow_learner, t_start, loss)
         return [loss], True
 
     def global_params(self) -> Params:
@@ -101,7 +117,10 @@ class DiLoCoTrainer:
             Island(config, devices[i * per : (i + 1) * per]) for i in range(config.num_learners)
         ]
         self.outer_tx = outer.make_outer_optimizer(
-            config.outer.lr, config.outer.momentum, config.outer.nesterov
+            config.outer.lr,
+            config.outer.momentum,
+            config.outer.nesterov,
+            config.outer.delayed_nesterov,
         )
         # Every island starts from the same parameters (same seed, any mesh).
         self.states = [island.init(config.seed) for island in self.islands]
@@ -128,7 +147,9 @@ class DiLoCoTrainer:
         """
         losses = []
         for i, island in enumerate(self.islands):
+            t_start = time.perf_counter()
             self.states[i], loss = island.step(self.states[i], next(self.iterators[i]))
+            slow_down(self.config, i, t_start, loss)
             losses.append(loss)
         round_done = step % self.config.inner_steps == 0 or step == self.config.train_steps
         if round_done:

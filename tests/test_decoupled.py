@@ -119,8 +119,8 @@ def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path
         tmp_path,
         f"--config.train_steps={steps}",
         "--config.decoupled.quorum=1",
-        "--config.decoupled.slow_learner=1",
-        "--config.decoupled.slowdown=5",
+        "--config.slow_learner=1",
+        "--config.slowdown=5",
     )
     try:
         port_file = tmp_path / "syncer.port"

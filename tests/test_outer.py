@@ -113,3 +113,32 @@ def test_merge_rejects_bad_input():
 
 def test_outer_optimizer_is_an_optax_transformation():
     assert isinstance(outer.make_outer_optimizer(0.7, 0.9, True), optax.GradientTransformation)
+
+
+def test_delayed_nesterov_with_n1_is_nesterov_and_over_n_steps_is_one_step_on_the_mean():
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((3, 4)).astype(np.float32)}
+    grads = [{"w": rng.standard_normal((3, 4)).astype(np.float32)} for _ in range(6)]
+
+    def run(tx, gs):
+        p, state = params, tx.init(params)
+        for g in gs:
+            updates, state = tx.update(g, state, p)
+            p = optax.apply_updates(p, updates)
+        return np.asarray(p["w"])
+
+    lr, mu = 0.7, 0.9
+    np.testing.assert_allclose(
+        run(outer.make_outer_optimizer(lr, mu, True, delayed=1), grads),
+        run(outer.make_outer_optimizer(lr, mu, True), grads),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # N = 3: after 3 and 6 steps, numpy Nesterov on the means of each group of 3.
+    got = run(outer.make_outer_optimizer(lr, mu, True, delayed=3), grads)
+    w, m = params["w"].astype(np.float64), np.zeros((3, 4))
+    for group in (grads[:3], grads[3:]):
+        mean = np.mean([g["w"] for g in group], axis=0)
+        m = mu * m + mean
+        w = w - lr * (mean + mu * m)
+    np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)

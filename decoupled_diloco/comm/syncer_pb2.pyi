@@ -57,10 +57,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "fastest_step_time_s")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FASTEST_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    fastest_step_time_s: float
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., fastest_step_time_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
