@@ -193,9 +193,10 @@ def run_decoupled(
             summaries[i].unlink(missing_ok=True)
             procs.start(f"learner_{i}", learner_command(config_file, address, i, summaries[i]))
         client = SyncerClient(address, config.decoupled.syncer, token)
-        status = _monitor(config, procs, client, workdir, t_start, progress_s)
+        evaluator = GlobalEvaluator(config, client, corpus)
+        status = _monitor(config, procs, client, evaluator, workdir, t_start, progress_s)
         learners = [json.loads(path.read_text()) for path in summaries]
-        params, eval_loss = _evaluate_global(config, client, corpus)
+        params, eval_loss = evaluator()
         client.close()
     finally:
         procs.reap()
@@ -234,11 +235,17 @@ def _monitor(
     config: config_lib.ExperimentConfig,
     procs: Processes,
     client: SyncerClient,
+    evaluate: GlobalEvaluator,
     workdir: pathlib.Path,
     t_start: float,
     progress_s: float,
 ) -> dict[str, Any]:
-    """Polls the syncer until every learner has exited; writes metrics and progress."""
+    """Polls the syncer until every learner has exited; writes metrics and progress.
+
+    Every `eval.every` steps (mean over learners) it also evaluates the global parameters, the
+    model the syncer would hand out, as the synchronous modes evaluate theirs.
+    """
+    next_eval = config.eval.every
     writer = MetricsWriter(workdir)
     learner_names = [f"learner_{i}" for i in range(config.num_learners)]
     status: dict[str, Any] = {"merges": 0, "learners": {}}
@@ -257,6 +264,11 @@ def _monitor(
             learners = status["learners"]
             if learners:
                 steps = [x["step"] for x in learners.values()]
+                event: dict[str, Any] = {}
+                if config.eval.every and np.mean(steps) >= next_eval:
+                    event["eval_loss"] = evaluate()[1]
+                    while next_eval <= np.mean(steps):
+                        next_eval += config.eval.every
                 # NaN (no step yet) becomes null: every line stays valid JSON.
                 losses = [x["loss"] if x["loss"] == x["loss"] else None for x in learners.values()]
                 evals = [
@@ -276,6 +288,7 @@ def _monitor(
                     wall_s=elapsed,
                     outer_syncs=status["merges"],
                     **({"learner_eval_loss": float(np.mean(evals))} if evals else {}),
+                    **event,
                 )
             if done:
                 return _wait_for_last_merges(client, status)
@@ -293,26 +306,38 @@ def _wait_for_last_merges(client: SyncerClient, status: dict[str, Any]) -> dict[
     return status
 
 
-def _evaluate_global(
-    config: config_lib.ExperimentConfig, client: SyncerClient, corpus: Any
-) -> tuple[Any, float]:
-    """Pulls every global fragment and evaluates the assembled model on the validation batches."""
-    import jax
+class GlobalEvaluator:
+    """Evaluates the syncer's global parameters (pulled fragment by fragment) on one device."""
 
-    from decoupled_diloco import data as data_lib
-    from decoupled_diloco import fragments as F
-    from decoupled_diloco.island import Island
+    def __init__(self, config: config_lib.ExperimentConfig, client: SyncerClient, corpus: Any):
+        import jax
 
-    island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
-    specs = F.tensor_specs(island.abstract_params)
-    leaves: list[Any] = [None] * len(specs)
-    for p, fragment in enumerate(F.partition(specs, config.decoupled.fragments)):
-        version, values = client.pull(-1, p, 0, config.decoupled.syncer.rpc_timeout_s)
-        for spec, value in zip(fragment, values, strict=True):
-            leaves[spec.index] = value
-    params = jax.tree.unflatten(jax.tree.structure(island.abstract_params), leaves)
-    corpus = corpus or data_lib.load_corpus(config.data.path, config.data.val_fraction)
-    batches = data_lib.validation_batches(
-        corpus.val_BN, config.model.seq_len, config.data.batch_size, config.eval.batches
-    )
-    return params, island.evaluate(params, batches)
+        from decoupled_diloco import data as data_lib
+        from decoupled_diloco import fragments as F
+        from decoupled_diloco.island import Island
+
+        self.config, self.client = config, client
+        self.island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
+        specs = F.tensor_specs(self.island.abstract_params)
+        self.cut = F.partition(specs, config.decoupled.fragments)
+        self.num_leaves = len(specs)
+        corpus = corpus or data_lib.load_corpus(config.data.path, config.data.val_fraction)
+        self.batches = data_lib.validation_batches(
+            corpus.val_BN, config.model.seq_len, config.data.batch_size, config.eval.batches
+        )
+
+    def params(self) -> Any:
+        """The current global parameters, as a host pytree."""
+        import jax
+
+        leaves: list[Any] = [None] * self.num_leaves
+        for p, fragment in enumerate(self.cut):
+            _, values = self.client.pull(-1, p, 0, self.config.decoupled.syncer.rpc_timeout_s)
+            for spec, value in zip(fragment, values, strict=True):
+                leaves[spec.index] = value
+        return jax.tree.unflatten(jax.tree.structure(self.island.abstract_params), leaves)
+
+    def __call__(self) -> tuple[Any, float]:
+        """(global parameters, their mean validation loss)."""
+        params = self.params()
+        return params, self.island.evaluate(params, self.batches)

@@ -92,7 +92,7 @@ class Learner:
         self.stop = threading.Event()
         self.step = self.tokens = 0
         self.loss: Any = float("nan")
-        self.eval_loss = float("nan")
+        self.eval_loss = float("nan")  # Learners do not evaluate; the launcher evaluates Θ.
         self.step_time_s = 0.0
         self.blocked_s = self.sync_host_s = 0.0
         self.errors: list[str] = []
@@ -248,13 +248,6 @@ class Learner:
         batches = data_lib.train_iterator(
             corpus.train_BN, c.model.seq_len, c.data.batch_size, self.id, c.num_learners, c.seed
         )
-        val = (
-            data_lib.validation_batches(
-                corpus.val_BN, c.model.seq_len, c.data.batch_size, c.eval.batches
-            )
-            if c.eval.every
-            else []
-        )
         state = self.island.init(c.seed)
         leaves = self.treedef.flatten_up_to(state.params)
         for p, frag in enumerate(self.cut):  # Start from the syncer's global values.
@@ -278,8 +271,6 @@ class Learner:
                 self.tokens_since[p] += c.tokens_per_step
             for p in self.due(step):
                 self._launch(state, p)
-            if c.eval.every and step % c.eval.every == 0:
-                self.eval_loss = self.island.evaluate(state.params, val)
             if step % c.log_every == 0 or step == c.train_steps:
                 now = time.perf_counter()
                 self.step_time_s = (now - t_log) / (step - step_log)

@@ -89,7 +89,12 @@ def _cleanup(proc, workdir):
 
 
 def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
-    proc = _launch(tmp_path, "--config.train_steps=64", "--config.decoupled.mesh_shapes=1x1,2x1")
+    proc = _launch(
+        tmp_path,
+        "--config.train_steps=64",
+        "--config.decoupled.mesh_shapes=1x1,2x1",
+        "--config.eval.every=32",
+    )
     try:
         out, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, out[-3000:]
@@ -107,6 +112,8 @@ def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
         assert all(min(x["versions"]) >= 1 for x in summary["learners"])
         lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert lines and lines[-1]["learner_states"] == ["done", "done"]
+        evals = [x["eval_loss"] for x in lines if "eval_loss" in x]  # of the global parameters
+        assert evals and all(e < 5.6 for e in evals)
         assert "[decoupled]" in out and "final eval loss" in out
         assert _children_of(tmp_path) == []
     finally:
