@@ -338,3 +338,43 @@ def test_tls_syncer_serves_tls_clients_only(tmp_path):
         plain.close()
     finally:
         server.stop(0)
+
+
+def test_client_retries_until_the_syncer_is_up_and_the_push_counts_once():
+    import dataclasses
+    import threading
+    import time
+
+    from decoupled_diloco.procs import free_port
+    from decoupled_diloco.syncer import initial_fragments
+
+    config = _config(**{"decoupled.quorum": 2})
+    port = free_port()
+    transport = dataclasses.replace(config.decoupled.syncer, retries=12, rpc_timeout_s=5.0)
+    client = SyncerClient(f"127.0.0.1:{port}", transport, TOKEN)
+    cut, _ = initial_fragments(config)
+    specs, delta = cut[0], _deltas(cut[0], 1)
+    with pytest.raises(grpc.RpcError) as info:  # Nobody listens yet, and no retries here.
+        client._call(lambda: client.stub.Status(pb.StatusRequest(), timeout=2), retries=0)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    replies = []
+    pusher = threading.Thread(target=lambda: replies.append(_push(client, specs, delta)))
+    pusher.start()
+    deadline = time.monotonic() + 30
+    while client.retries_done < 1:  # the push has failed at least once and is backing off
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    server = SyncerServer(config, host="127.0.0.1", port=port, token=TOKEN)
+    # Register both learners first thing, so the retried push finds learner 0 known.
+    server.state.register(0, "1x1")
+    server.state.register(1, "1x1")
+    server.start()
+    try:
+        pusher.join(timeout=60)
+        assert replies and replies[0].accepted and not replies[0].duplicate
+        again = _push(client, specs, delta)  # the same (learner, fragment, round) once more
+        assert again.duplicate and server.state.status()["fragments"][0]["pending"] == [0]
+    finally:
+        client.close()
+        server.stop(0)

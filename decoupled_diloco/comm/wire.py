@@ -52,11 +52,15 @@ def run_token(config: SyncerConfig) -> str:
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    """Message limits raised on both ends (the default receive limit is 4 MiB)."""
+    """Message limits raised on both ends (the default receive limit is 4 MiB), fast reconnect."""
     limit = max(MAX_MESSAGE_BYTES, 4 * chunk_bytes)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
+        # Reconnect within a second or so of a restarted syncer (gRPC's default backs off to
+        # minutes), so that the client's own retries find it.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
 
 
