@@ -157,7 +157,10 @@ class Island:
 
     def evaluate(self, params: Params, batches: Sequence[np.ndarray]) -> float:
         """Mean loss of `params` over fixed host `batches`."""
-        params = self.put_params(params)
+        # Wait for the step that produced `params` first: on XLA:CPU, two multi-device programs
+        # whose collectives interleave can deadlock in the all-reduce rendezvous (seen as an
+        # abort after 40 s when a dp eval was dispatched behind an in-flight train step).
+        params = jax.block_until_ready(self.put_params(params))
         with jax.set_mesh(self.mesh):
             losses = [self._eval(params, jax.device_put(b, self.eval_sharding)) for b in batches]
         return float(np.mean(jax.device_get(losses)))
