@@ -23,7 +23,8 @@ belongs to the current schedule round. The default `max_staleness` (4) keeps tho
 to drop more stale work, or set 0 for the strict rule.
 
 Idempotency: (learner, fragment, round) identifies a push; a retry of one already handled gets
-the first answer again, with `duplicate=True`, and is never counted twice.
+the first answer again, with `duplicate=True`, and is never counted twice. A learner that
+registers again (a restarted process) starts a new incarnation whose rounds count from 0.
 """
 
 from __future__ import annotations
@@ -227,6 +228,9 @@ class SyncerState:
         with self.lock:
             info = self.learners.setdefault(learner_id, LearnerInfo())
             info.mesh, info.state, info.last_seen = mesh, "training", self.clock()
+            # A (re)registration is a new incarnation that numbers its rounds from 0 again:
+            # forget the old one's idempotency keys, or its first pushes would look like retries.
+            self.seen = {k: v for k, v in self.seen.items() if k[0] != learner_id}
             return [f.version for f in self.fragments]
 
     def heartbeat(self, learner_id: int, **fields: Any) -> list[int]:

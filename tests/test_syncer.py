@@ -175,6 +175,10 @@ def test_retried_push_counts_once_and_merge_matches_numpy(syncer):
         want = a - lr * (merged + mu * merged)  # first Nesterov step: momentum = merged
         np.testing.assert_allclose(g, want, rtol=2e-5, atol=2e-7)
     assert client.status()["fragments"][p]["duplicate_pushes"] == 1
+    # A restarted learner registers again and numbers its rounds from 0: not a duplicate.
+    client.register(0, server.fingerprint)
+    fresh = _push(client, specs, d0, learner=0, fragment=p, base=1, steps=4, tokens=1024)
+    assert fresh.accepted and not fresh.duplicate
 
 
 @pytest.mark.parametrize(
