@@ -130,6 +130,10 @@ class DecoupledConfig:
     `mesh_shapes` gives each learner its own mesh, e.g. "1x1,2x1" (empty: all use `mesh.shape`).
     `dynamic_local_updates` (Async Local-SGD's DyLU) scales a learner's H by its speed relative
     to the fastest learner, so that slow learners sync as often in wall time as fast ones.
+    `stale_anchor` says how a push anchored at an older version enters a merge: "syncer"
+    re-anchors it at the current global value (Θ − θ_m, Decoupled DiLoCo App. D.2); "learner"
+    keeps the learner's own outer gradient (Θ^(base) − θ_m, as Async Local-SGD applies stale
+    pseudo-gradients).
     """
 
     fragments: int = 2
@@ -140,6 +144,7 @@ class DecoupledConfig:
     ema_decay: float = 0.8
     mesh_shapes: str = ""
     dynamic_local_updates: bool = False
+    stale_anchor: str = "syncer"
     syncer: SyncerConfig = SyncerConfig()
 
 
@@ -307,6 +312,11 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
         f"K must be in [1, num_learners={c.num_learners}], got {d.quorum}",
     )
     _check(0 <= d.alpha < 1, "decoupled.alpha", f"must be in [0, 1), got {d.alpha}")
+    _check(
+        d.stale_anchor in ("syncer", "learner"),
+        "decoupled.stale_anchor",
+        f"expected 'syncer' or 'learner', got {d.stale_anchor!r}",
+    )
     _check(0 <= d.grace_safety <= 1, "decoupled.grace_safety", "gamma must be in [0, 1]")
     _check(0 <= d.ema_decay < 1, "decoupled.ema_decay", "must be in [0, 1)")
     _check(0 <= s.port < 65536, "decoupled.syncer.port", f"not a port: {s.port}")

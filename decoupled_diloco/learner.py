@@ -120,8 +120,13 @@ class Learner:
         steps: int,
         tokens: int,
         final: bool,
+        pushed_at: int,
     ) -> None:
-        """Background: push Δ = anchor − θ for fragment p, then wait for the merged fragment."""
+        """Background: push Δ = anchor − θ for fragment p, then wait for the merged fragment.
+
+        The merged fragment is due at the step boundary after step `pushed_at` + τ, or at the
+        first boundary after it arrives if it comes later.
+        """
         try:
             delta = [a - x for a, x in zip(anchor, local, strict=True)]
             reply = self.client.push(
@@ -148,7 +153,7 @@ class Learner:
                 with self.inbox_lock:
                     held = self.inbox.get(p)
                     if held is None or held.version < version:
-                        after = max(self.step, 0) + self.config.decoupled.overlap_steps
+                        after = pushed_at + self.config.decoupled.overlap_steps
                         self.inbox[p] = Inbound(version, values, after)
         except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
             self.errors.append(f"fragment {p} round {rnd}: {type(error).__name__}: {error}")
@@ -239,6 +244,7 @@ class Learner:
             self.steps_since[p],
             self.tokens_since[p],
             final,
+            self.step,
         )
         self.jobs = [j for j in self.jobs if not j.done()] + [job]
         self.rounds[p] += 1

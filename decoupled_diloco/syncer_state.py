@@ -7,9 +7,11 @@ grace window has passed (or every live learner has pushed). Closing merges the o
 with token weights w = tokens²/steps (RDA, or the weighted mean for embeddings, via
 `outer.merge`), applies the Nesterov outer step (`outer.outer_step`) and bumps the version.
 
-Anchoring (Decoupled DiLoCo, App. D.2): outer gradients are re-anchored at the syncer's current
-Θ_p. A push anchored at version b < current carries Δ = Θ_p^(b) − θ_m; the syncer recovers the
-learner's parameters θ_m = Θ_p^(b) − Δ from its short version history and uses Θ_p − θ_m.
+Anchoring: a push anchored at the current version is used as is. A push anchored at an older
+version b carries Δ = Θ_p^(b) − θ_m. With `stale_anchor="syncer"` (Decoupled DiLoCo, App. D.2)
+the syncer recovers θ_m = Θ_p^(b) − Δ from its short version history and uses Θ_p − θ_m, which
+pulls the global value toward the stale learner's parameters; with `"learner"` it uses Δ as is
+(Async Local-SGD: the stale learner's own progress is applied to the current value).
 
 Late-push rule: a push whose base version is more than `max_staleness` versions behind the
 fragment's current version arrived after its round (and `max_staleness` later ones) closed. It
@@ -272,7 +274,9 @@ class SyncerState:
 
     def _add(self, frag: FragmentState, push: Push) -> None:
         delta = push.delta
-        if push.base_version != frag.version:  # θ_m = Θ^(b) − Δ, re-anchored at the current Θ.
+        stale = push.base_version != frag.version
+        if stale and self.config.decoupled.stale_anchor == "syncer":
+            # θ_m = Θ^(b) − Δ, re-anchored at the current Θ.
             base = frag.history[push.base_version]
             delta = [c - (b - d) for c, b, d in zip(frag.values, base, delta, strict=True)]
         previous = frag.pending.get(push.learner_id)
@@ -280,6 +284,12 @@ class SyncerState:
             push = dataclasses.replace(
                 push, steps=push.steps + previous.steps, tokens=push.tokens + previous.tokens
             )
+            if self.config.decoupled.stale_anchor == "learner" and (
+                previous.base_version != push.base_version
+            ):
+                # Anchored at different versions, the two outer gradients hold disjoint
+                # progress (the learner was overwritten in between): keep both.
+                delta = [a + b for a, b in zip(previous.delta, delta, strict=True)]
         frag.pending[push.learner_id] = dataclasses.replace(push, delta=delta)
         now = self.clock()
         if frag.first_push_t is None:

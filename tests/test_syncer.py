@@ -201,9 +201,18 @@ def test_late_push_is_dropped_and_changes_nothing(syncer):
 
 
 @pytest.mark.parametrize(
-    "syncer", [{"decoupled.quorum": 2, "decoupled.syncer.max_staleness": 1}], indirect=True
+    "syncer",
+    [
+        {"decoupled.quorum": 2, "decoupled.syncer.max_staleness": 1},
+        {
+            "decoupled.quorum": 2,
+            "decoupled.syncer.max_staleness": 1,
+            "decoupled.stale_anchor": "learner",
+        },
+    ],
+    indirect=True,
 )
-def test_stale_push_within_bound_is_reanchored_at_the_current_value(syncer):
+def test_stale_push_within_bound_is_anchored_as_configured(syncer):
     server, client = syncer
     for i in (0, 1):
         client.register(i, server.fingerprint)
@@ -217,8 +226,10 @@ def test_stale_push_within_bound_is_reanchored_at_the_current_value(syncer):
     reply = _push(client, specs, stale, learner=1, rnd=1, base=0)
     assert reply.accepted and reply.version == 1
     pending = server.state.fragments[0].pending[1].delta
+    by_syncer = server.state.config.decoupled.stale_anchor == "syncer"
     for got, t0, t1, d in zip(pending, theta0, theta1, stale, strict=True):
-        np.testing.assert_allclose(got, t1 - (t0 - d), rtol=1e-6, atol=1e-7)
+        want = t1 - (t0 - d) if by_syncer else d  # re-anchored, or the learner's own Δ
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 class _Clock:
