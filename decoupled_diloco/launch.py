@@ -174,7 +174,8 @@ def run_decoupled(
     import tempfile
 
     t_start = time.perf_counter()
-    workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="decoupled_"))
+    # Absolute: the children run from the package's root, not from the caller's directory.
+    workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="decoupled_")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     config_file = write_config_file(config, workdir / "config.py")
     port_file = workdir / "syncer.port"
