@@ -8,25 +8,14 @@ Kept short on purpose: the logic is `decoupled_diloco.train.train_and_evaluate`,
 from Colab and research code.
 """
 
-import os
-import re
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco.cpu_devices import configure_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
-
-
-def _ensure_cpu_devices(needed: int) -> None:
-    """On CPU, fakes enough devices for all learners unless XLA_FLAGS already chose a count."""
-    if re.search(r"xla_force_host_platform_device_count", os.environ.get("XLA_FLAGS", "")):
-        return
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", max(needed, 1))
 
 
 def main(argv: list[str]) -> None:
@@ -39,7 +28,7 @@ def main(argv: list[str]) -> None:
         config = config_lib.from_config_dict(_CONFIG.value)
     except config_lib.ConfigError as error:
         raise app.UsageError(str(error)) from None
-    _ensure_cpu_devices(config.num_learners * config.devices_per_learner)
+    configure_cpu_devices(config.num_learners * config.devices_per_learner)
     from decoupled_diloco.train import train_and_evaluate
 
     result = train_and_evaluate(config, _WORKDIR.value)

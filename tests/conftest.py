@@ -4,6 +4,9 @@ import os
 import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from decoupled_diloco.cpu_devices import configure_cpu_devices  # noqa: E402
+
+configure_cpu_devices(8)  # keeps the count above; adds XLA:CPU's long collective timeouts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
