@@ -104,6 +104,14 @@ class Island:
         eval_splits = config.data.batch_size % self.mesh.shape["data"] == 0
         self.eval_sharding = self.batch_sharding if eval_splits else self.replicated
         self.trace_count = 0
+        # XLA:CPU runs every fake device's share of a program on one shared thread pool, and
+        # a collective blocks its thread until all participants arrive. With several steps of
+        # a multi-device program queued at once, waiting participants can hold every thread
+        # while the last one waits for a thread: a deadlock (seen as a 40 s rendezvous abort).
+        # So a multi-device CPU island keeps one step in flight; the host still prepares the
+        # next batch while it runs.
+        self._one_in_flight = self.mesh.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
+        self._in_flight: jax.Array | None = None
         self._init = jax.jit(self._init_fn, out_shardings=self.state_sharding)
         self._step = jax.jit(
             self._step_fn,
@@ -148,8 +156,12 @@ class Island:
         """One inner step. Donates `state`; returns the new state and the loss (on device)."""
         if isinstance(tokens_BT1, np.ndarray):
             tokens_BT1 = self.put_batch(tokens_BT1)
+        if self._one_in_flight and self._in_flight is not None:
+            self._in_flight.block_until_ready()
         with jax.set_mesh(self.mesh):
-            return self._step(state, tokens_BT1)
+            state, loss = self._step(state, tokens_BT1)
+        self._in_flight = loss
+        return state, loss
 
     def put_params(self, params: Params) -> Params:
         """Places a parameter tree (host or any device) with this island's parameter shardings."""
