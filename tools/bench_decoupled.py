@@ -118,7 +118,8 @@ def main() -> None:
         "## Decoupled mode: quality, learner stall, heterogeneity (issue 3)",
         "",
         f"Command: `python -m tools.bench_decoupled --out={args.out or 'PATH'}` (written "
-        f"{started}; finished runs are reused). tiny_lm, M=2, H=50, 300 steps per learner, default corpus, 32 fixed "
+        f"{started}; finished runs are reused). tiny_lm, M=2, H=50, 300 steps per learner, "
+        "default corpus, 32 fixed "
         "validation batches; decoupled: P=4 fragments, τ=2, quorum 1 unless noted, RDA (mean for "
         "embeddings), "
         "token weights. Shared 2-core machine: wall times are noisy. Decoupled runs are not "
