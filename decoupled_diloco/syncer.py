@@ -253,7 +253,11 @@ class SyncerServer:
         self.fingerprint = F.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
         self.service = SyncerService(self.state, token or wire.run_token(s), self.fingerprint)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4 * config.num_learners + 8),
+            # A pull holds its thread while it waits for a merge, and every learner may have one
+            # per fragment in flight; pushes, heartbeats and status calls must still get a thread.
+            futures.ThreadPoolExecutor(
+                max_workers=config.num_learners * (config.decoupled.fragments + 3) + 8
+            ),
             options=wire.channel_options(s.chunk_bytes),
         )
         add_service(self.service, self.server)

@@ -4,6 +4,9 @@ Example:
   python -m experiments.train --config=experiments/configs/tiny_lm.py --workdir=runs/tiny \
       --config.mode=dp --config.num_learners=4
 
+`--config.mode=decoupled` starts a syncer and one process per learner on 127.0.0.1 (see
+`decoupled_diloco.launch` and `experiments/configs/tiny_lm_decoupled.py`).
+
 Kept short on purpose: the logic is `decoupled_diloco.train.train_and_evaluate`, importable
 from Colab and research code.
 """
