@@ -215,6 +215,7 @@ def run_decoupled(
         "final_eval_loss": eval_loss,
         "final_train_loss": float(np.mean([x["final_loss"] for x in learners])),
         "outer_syncs": status["merges"],
+        "merge_sizes": status["merge_sizes"],
         "fragments": status["fragments"],
         "stall_fraction_max": max(x["stall_fraction"] for x in learners),
         "learners": learners,

@@ -32,6 +32,8 @@ from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
 from decoupled_diloco.island import InnerState, Island
 
+_STEP_WINDOW = 10  # steps per measurement of this learner's step time
+
 
 @dataclasses.dataclass
 class Inbound:
@@ -100,10 +102,21 @@ class Learner:
 
     # Syncer link -----------------------------------------------------------------------------
 
-    def connect(self, timeout_s: float = 120.0) -> None:
-        """Waits for the syncer, registers, and takes the current global fragments."""
+    def connect(self, timeout_s: float = 120.0, peers_s: float = 60.0) -> None:
+        """Waits for the syncer, registers, and takes the current global fragments.
+
+        In a fresh run (every fragment still at version 0) it also waits up to `peers_s` for
+        all learners to register, so that they start together and their pushes of a round
+        arrive close enough for the grace window to merge them. A learner joining a run in
+        progress never waits.
+        """
         self.client.wait_ready(timeout_s)
-        self.client.register(self.id, F.fingerprint(self.specs), self.mesh_name)
+        reply = self.client.register(self.id, F.fingerprint(self.specs), self.mesh_name)
+        deadline = time.monotonic() + peers_s
+        while not any(reply.versions) and time.monotonic() < deadline:
+            if len(self.client.status()["learners"]) >= self.config.num_learners:
+                break
+            time.sleep(0.05)
         for p in range(len(self.cut)):
             version, values = self.client.pull(
                 self.id, p, 0, self.config.decoupled.syncer.rpc_timeout_s
@@ -265,8 +278,7 @@ class Learner:
         state = InnerState(jax.tree.unflatten(self.treedef, leaves), state.opt_state)
         beat = threading.Thread(target=self._heartbeats, daemon=True)
         beat.start()
-        t_start = t_log = time.perf_counter()
-        step_log = 0
+        t_start = t_window = time.perf_counter()
         for step in range(1, c.train_steps + 1):
             state = self._apply_arrivals(state)
             t_step = time.perf_counter()
@@ -280,10 +292,13 @@ class Learner:
                 self.tokens_since[p] += c.tokens_per_step
             for p in self.due(step):
                 self._launch(state, p)
-            if step % c.log_every == 0 or step == c.train_steps:
+            if step % _STEP_WINDOW == 0:
+                # Wall time per step over a window (single steps are dispatched asynchronously
+                # and time nothing); the syncer's grace window and DyLU use it.
                 now = time.perf_counter()
-                self.step_time_s = (now - t_log) / (step - step_log)
-                t_log, step_log = now, step
+                self.step_time_s = (now - t_window) / _STEP_WINDOW
+                t_window = now
+            if step % c.log_every == 0 or step == c.train_steps:
                 print(
                     f"[learner {self.id}] step {step}/{c.train_steps} loss {float(self.loss):.3f} "
                     f"versions {self.versions} {self.step_time_s * 1e3:.0f} ms/step",

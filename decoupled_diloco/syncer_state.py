@@ -180,6 +180,8 @@ class SyncerState:
         self.learners: dict[int, LearnerInfo] = {}
         self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
         self.merge_log: list[dict[str, Any]] = []
+        # How many learners each merge combined: index k counts merges of k outer gradients.
+        self.merge_sizes = [0] * (config.num_learners + 1)
         self.seen: dict[tuple[int, int, int], PushResult] = {}
         self.lock = threading.Condition()
         # One compiled merge + outer step per fragment: pushes are padded to `num_learners`
@@ -348,6 +350,7 @@ class SyncerState:
         frag.values = [np.asarray(new_values[s.name]) for s in frag.specs]
         frag.version += 1
         frag.merges += 1
+        self.merge_sizes[len(pushes)] += 1
         frag.history[frag.version] = frag.values
         keep = self.config.decoupled.syncer.max_staleness
         for v in [v for v in frag.history if v < frag.version - keep]:
@@ -421,6 +424,7 @@ class SyncerState:
                     for f in self.fragments
                 ],
                 "merges": sum(f.merges for f in self.fragments),
+                "merge_sizes": self.merge_sizes,
                 "ema": {
                     "step_s": self.ema_step.get(),
                     "quorum_s": self.ema_quorum.get(),

@@ -50,13 +50,13 @@ def test_two_learners_with_alpha_mixing_and_different_meshes_exchange_fragments(
             Learner(config, 0, address, devices=jax.devices()[:1], mesh_shape=(1, 1)),
             Learner(config, 1, address, devices=jax.devices()[4:8], mesh_shape=(2, 2)),
         ]
-        for learner in learners:
-            learner.connect()
         results = {}
-        threads = [
-            threading.Thread(target=lambda x=x: results.__setitem__(x.id, x.run()))
-            for x in learners
-        ]
+
+        def connect_and_run(learner):
+            learner.connect()  # waits for the other learner to register: start together
+            results[learner.id] = learner.run()
+
+        threads = [threading.Thread(target=connect_and_run, args=(x,)) for x in learners]
         for t in threads:
             t.start()
         for t in threads:
