@@ -385,13 +385,14 @@ if __name__ == "__main__":
     die_with_parent()
 
     def _start(argv: list[str]) -> None:
-        # On CPU, fake as many devices as the mesh needs, before JAX picks a backend.
-        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-            from decoupled_diloco import config as config_lib
+        # On CPU, fake as many devices as the mesh needs (and raise XLA:CPU's collective
+        # timeouts), before JAX picks a backend.
+        from decoupled_diloco import config as config_lib
+        from decoupled_diloco.cpu_devices import configure_cpu_devices
 
-            config = config_lib.from_config_dict(flags.FLAGS.config)
-            shape = _mesh_shape(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
-            jax.config.update("jax_num_cpu_devices", shape[0] * shape[1])
+        config = config_lib.from_config_dict(flags.FLAGS.config)
+        shape = _mesh_shape(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
+        configure_cpu_devices(shape[0] * shape[1])
         try:
             main(argv)
         except KeyboardInterrupt:
