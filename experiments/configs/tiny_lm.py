@@ -25,8 +25,8 @@ def get_config():
             # Measured best at this size (benchmarks/results/quality.md): plain averaging (outer
             # SGD, lr 1, no momentum) beat the DiLoCo default 0.7 / Nesterov 0.9 both at M=2 x 300
             # steps (1.066x vs 1.150x dp) and at M=4 x 2,000 steps (1.061x vs 1.066x); with few
-            # outer steps, momentum 0.9 overshoots. `--config.outer.lr=0.7 --config.outer.momentum=0.9
-            # --config.outer.nesterov=True` restores the paper's setting.
+            # outer steps, momentum 0.9 overshoots. The paper's setting back:
+            # --config.outer.lr=0.7 --config.outer.momentum=0.9 --config.outer.nesterov=True
             outer=c.OuterConfig(lr=1.0, momentum=0.0, nesterov=False, merge="mean"),
             mesh=c.MeshConfig(shape=(1, 1)),
             checkpoint=c.CheckpointConfig(every=100),
