@@ -10,8 +10,9 @@ The public surface, importable from Colab and research code:
 import importlib
 from typing import Any
 
-# Public name -> defining module. Imported lazily (PEP 562) so that numpy-only parts, such as
-# the goodput simulator or a syncer's config loading, do not pay for importing JAX.
+# Public name -> defining module, or (module, its name there). Imported lazily (PEP 562) so that
+# numpy-only parts, such as the goodput simulator or a syncer's config loading, do not pay for
+# importing JAX.
 _EXPORTS = {
     "CheckpointConfig": "decoupled_diloco.config",
     "ConfigError": "decoupled_diloco.config",
@@ -54,6 +55,32 @@ _EXPORTS = {
     "validate": "decoupled_diloco.config",
     "validation_batches": "decoupled_diloco.data",
     "weighted_mean": "decoupled_diloco.outer",
+    # Models and tasks beyond the dense LM (issue 8).
+    "MoEConfig": "decoupled_diloco.config",
+    "MoETransformer": "decoupled_diloco.moe",
+    "ViT": "decoupled_diloco.vit",
+    "Task": "decoupled_diloco.tasks",
+    "make_task": "decoupled_diloco.tasks",
+    "load_dataset": "decoupled_diloco.tasks",
+    "load_images": "decoupled_diloco.vision_data",
+    # Compression, chaos, goodput, reports, the simulator (issue 7's public surface).
+    "CompressionConfig": "decoupled_diloco.config",
+    "Codec": "decoupled_diloco.compression",
+    "codec_for": "decoupled_diloco.compression",
+    "ring_allreduce_bytes": "decoupled_diloco.compression",
+    "ChaosSchedule": ("decoupled_diloco.chaos", "Schedule"),
+    "Fault": "decoupled_diloco.chaos",
+    "FailureModel": "decoupled_diloco.chaos",
+    "load_chaos": ("decoupled_diloco.chaos", "load"),
+    "Timeline": "decoupled_diloco.timeline",
+    "Goodput": "decoupled_diloco.timeline",
+    "analyze_goodput": ("decoupled_diloco.timeline", "analyze"),
+    "load_timeline": ("decoupled_diloco.timeline", "load"),
+    "GlobalEvaluator": "decoupled_diloco.launch",
+    "MetricsWriter": "decoupled_diloco.metrics",
+    "write_report": "decoupled_diloco.report",
+    "SimConfig": "decoupled_diloco.sim",
+    "simulate": "decoupled_diloco.sim",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -61,7 +88,10 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        module, attribute = (
+            _EXPORTS[name] if isinstance(_EXPORTS[name], tuple) else (_EXPORTS[name], name)
+        )
+        value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ Rules a run relies on:
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import sysconfig
 import zlib
@@ -44,14 +45,16 @@ def default_corpus_root() -> pathlib.Path:
 
 
 def _corpus_files(root: pathlib.Path) -> list[pathlib.Path]:
+    # Excluded folders are pruned, not walked: the walk is most of a (re)starting learner's
+    # data loading otherwise (site-packages and tests are large).
     files = []
-    for path in sorted(root.rglob("*")):
-        relative = path.relative_to(root)
-        if any(part in _EXCLUDED_DIRS for part in relative.parts[:-1]):
-            continue
-        if path.is_file() and path.suffix in _TEXT_SUFFIXES:
-            files.append(path)
-    return files
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+        for name in names:
+            path = pathlib.Path(folder, name)
+            if path.suffix in _TEXT_SUFFIXES and path.is_file():
+                files.append(path)
+    return sorted(files)
 
 
 def _is_validation(relative: str, val_fraction: float) -> bool:

@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.model import Params, Transformer, lm_loss
+from decoupled_diloco.model import Params
 from decoupled_diloco.optim import make_inner_optimizer
+from decoupled_diloco.tasks import Batch, make_task
 
 AXES = ("data", "model")
 
@@ -67,8 +68,10 @@ class Island:
         self.mesh = make_island_mesh(mesh_shape or config.mesh.shape, devices)
         self.batch_size = batch_size or config.data.batch_size
         self.tx = make_inner_optimizer(config)
+        # The model, its losses and the batch layout come from the task (`model.kind`).
+        self.task = make_task(config)
         with jax.set_mesh(self.mesh):
-            abstract_model = nnx.eval_shape(lambda: Transformer(config.model, nnx.Rngs(0)))
+            abstract_model = nnx.eval_shape(lambda: self.task.build_model(nnx.Rngs(0)))
         self.graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
         specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
         self.replicated = NamedSharding(self.mesh, P())
@@ -98,7 +101,7 @@ class Island:
                 opt_sharding,
             ),
         )
-        self.batch_sharding = NamedSharding(self.mesh, P("data", None))
+        self.batch_sharding = NamedSharding(self.mesh, self.task.batch_spec)
         # Held-out batches keep the per-learner batch size in every mode, so on a wide data
         # axis (dp over M learners) they may not split evenly: then each device gets all rows.
         eval_splits = config.data.batch_size % self.mesh.shape["data"] == 0
@@ -126,40 +129,38 @@ class Island:
         )
 
     def _init_fn(self, key: jax.Array) -> InnerState:
-        model = Transformer(self.config.model, nnx.Rngs(key))
+        model = self.task.build_model(nnx.Rngs(key))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
         return InnerState(params, self.tx.init(params))
 
-    def _step_fn(self, state: InnerState, tokens_BT1: jax.Array) -> tuple[InnerState, jax.Array]:
+    def _step_fn(self, state: InnerState, batch: Batch) -> tuple[InnerState, jax.Array]:
         self.trace_count += 1  # Runs only while tracing: counts compilations of the step.
-        loss, grads = jax.value_and_grad(lm_loss, argnums=1)(
-            self.graphdef, state.params, tokens_BT1
+        loss, grads = jax.value_and_grad(self.task.train_loss, argnums=1)(
+            self.graphdef, state.params, batch
         )
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         return InnerState(optax.apply_updates(state.params, updates), opt_state), loss
 
-    def _eval_fn(self, params: Params, tokens_BT1: jax.Array) -> jax.Array:
-        return lm_loss(self.graphdef, params, tokens_BT1)
+    def _eval_fn(self, params: Params, batch: Batch) -> dict[str, jax.Array]:
+        return self.task.eval_metrics(self.graphdef, params, batch)
 
     def init(self, seed: int) -> InnerState:
         """Fresh parameters (same for the same seed on any mesh) and inner optimizer state."""
         with jax.set_mesh(self.mesh):
             return self._init(jax.random.key(seed))
 
-    def put_batch(self, tokens_BT1: np.ndarray) -> jax.Array:
+    def put_batch(self, batch: Batch) -> Batch:
         """Moves a host batch onto this island's devices, split over the `data` axis."""
-        return jax.device_put(tokens_BT1, self.batch_sharding)
+        return jax.device_put(batch, self.batch_sharding)
 
-    def step(
-        self, state: InnerState, tokens_BT1: jax.Array | np.ndarray
-    ) -> tuple[InnerState, jax.Array]:
+    def step(self, state: InnerState, batch: Batch) -> tuple[InnerState, jax.Array]:
         """One inner step. Donates `state`; returns the new state and the loss (on device)."""
-        if isinstance(tokens_BT1, np.ndarray):
-            tokens_BT1 = self.put_batch(tokens_BT1)
+        if isinstance(batch, np.ndarray | dict):  # host arrays (a dict: an image batch)
+            batch = self.put_batch(batch)
         if self._one_in_flight and self._in_flight is not None:
             self._in_flight.block_until_ready()
         with jax.set_mesh(self.mesh):
-            state, loss = self._step(state, tokens_BT1)
+            state, loss = self._step(state, batch)
         self._in_flight = loss
         return state, loss
 
@@ -167,12 +168,17 @@ class Island:
         """Places a parameter tree (host or any device) with this island's parameter shardings."""
         return jax.device_put(params, self.param_sharding)
 
-    def evaluate(self, params: Params, batches: Sequence[np.ndarray]) -> float:
+    def evaluate(self, params: Params, batches: Sequence[Batch]) -> float:
         """Mean loss of `params` over fixed host `batches`."""
+        return self.evaluate_metrics(params, batches)["loss"]
+
+    def evaluate_metrics(self, params: Params, batches: Sequence[Batch]) -> dict[str, float]:
+        """Mean of each evaluation metric (`loss`, and `accuracy` for classification)."""
         # Wait for the step that produced `params` first: on XLA:CPU, two multi-device programs
         # whose collectives interleave can deadlock in the all-reduce rendezvous (seen as an
         # abort after 40 s when a dp eval was dispatched behind an in-flight train step).
         params = jax.block_until_ready(self.put_params(params))
         with jax.set_mesh(self.mesh):
-            losses = [self._eval(params, jax.device_put(b, self.eval_sharding)) for b in batches]
-        return float(np.mean(jax.device_get(losses)))
+            results = [self._eval(params, jax.device_put(b, self.eval_sharding)) for b in batches]
+        results = jax.device_get(results)
+        return {k: float(np.mean([r[k] for r in results])) for k in results[0]}

@@ -30,6 +30,8 @@ import numpy as np
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.comm.shards import syncer_client
+from decoupled_diloco.compression import ring_allreduce_bytes
 from decoupled_diloco.metrics import MetricsWriter, write_summary
 
 _CONFIG_TEMPLATE = '''"""The resolved config of this run, written by the decoupled launcher."""
@@ -64,23 +66,35 @@ def child_env(token: str) -> dict[str, str]:
     return env
 
 
-def syncer_command(config_file: pathlib.Path, port_file: pathlib.Path) -> list[str]:
-    """The syncer's command line (loopback, any free port, written to `port_file`)."""
-    return [
+def syncer_command(
+    config_file: pathlib.Path,
+    port_file: pathlib.Path,
+    port: int = 0,
+    shard: int = 0,
+    checkpoint_dir: pathlib.Path | None = None,
+) -> list[str]:
+    """A syncer shard's command line (loopback; the bound port is written to `port_file`).
+
+    A fixed `port` lets a restarted syncer come back where its learners look for it; with
+    `checkpoint_dir` it commits its state there and resumes from it (`syncer_checkpoint`).
+    """
+    command = [
         sys.executable,
         "-m",
         "decoupled_diloco.syncer",
         f"--config={config_file}",
         "--host=127.0.0.1",
-        "--port=0",
+        f"--port={port}",
         f"--port_file={port_file}",
+        f"--shard={shard}",
     ]
+    return command + ([f"--checkpoint_dir={checkpoint_dir}"] if checkpoint_dir else [])
 
 
 def learner_command(
     config_file: pathlib.Path, address: str, learner_id: int, summary: pathlib.Path
 ) -> list[str]:
-    """Learner `learner_id`'s command line."""
+    """Learner `learner_id`'s command line; its checkpoints go under the summary's folder."""
     return [
         sys.executable,
         "-m",
@@ -89,7 +103,42 @@ def learner_command(
         f"--syncer={address}",
         f"--learner_id={learner_id}",
         f"--summary={summary}",
+        f"--workdir={summary.parent}",
     ]
+
+
+def island_commands(
+    config: config_lib.ExperimentConfig,
+    config_file: pathlib.Path,
+    address: str,
+    learner_id: int,
+    summary: pathlib.Path,
+) -> list[tuple[str, list[str]]]:
+    """(name, command) of each process of learner `learner_id`'s island.
+
+    One process (`learner_I`) unless `decoupled.island_processes` > 1: then P processes form
+    one JAX runtime (`multihost`) with process 0 (`learner_I`, the leader) as coordinator on a
+    free loopback port; the others are `learner_I_pJ` and write `learner_I_pJ.json`.
+    """
+    base = learner_command(config_file, address, learner_id, summary)
+    num = config.decoupled.island_processes
+    if num == 1:
+        return [(f"learner_{learner_id}", base)]
+    from decoupled_diloco.procs import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    out = []
+    for j in range(num):
+        name = f"learner_{learner_id}" + (f"_p{j}" if j else "")
+        command = [x for x in base if not x.startswith("--summary=")]
+        command += [
+            f"--summary={summary.with_name(name + '.json')}",
+            f"--coordinator={coordinator}",
+            f"--num_processes={num}",
+            f"--process_id={j}",
+        ]
+        out.append((name, command))
+    return out
 
 
 class Processes:
@@ -100,8 +149,13 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, command: list[str]) -> subprocess.Popen:
-        """Starts one child; its stdout and stderr go to `log_dir/NAME.log`."""
+    def start(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Starts one child, with `env` added to the common environment.
+
+        Its stdout and stderr go to `log_dir/NAME.log`.
+        """
         from decoupled_diloco.procs import die_with_parent
 
         with (self.log_dir / f"{name}.log").open("ab") as log:
@@ -109,7 +163,7 @@ class Processes:
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env={**self.env, **(env or {})},
                 cwd=pathlib.Path(__file__).resolve().parent.parent,
                 preexec_fn=die_with_parent,
             )
@@ -136,13 +190,40 @@ class Processes:
         reap(list(self.procs.values()))
 
 
+def _start_syncers(
+    config: config_lib.ExperimentConfig,
+    config_file: pathlib.Path,
+    workdir: pathlib.Path,
+    port_file: pathlib.Path,
+    supervisor: Any,
+    procs: Processes,
+) -> str:
+    """Starts the `syncer.shards` syncer processes; returns their addresses, comma-separated.
+
+    Each shard gets a fixed free port (a restart comes back on it) and, with checkpoints on,
+    its own directory `workdir/checkpoints/syncer_S`. One shard is named `syncer`.
+    """
+    from decoupled_diloco.procs import free_port
+
+    shards = config.decoupled.syncer.shards
+    port_files = [port_file] + [workdir / f"syncer_{s}.port" for s in range(1, shards)]
+    for s in range(shards):
+        port_files[s].unlink(missing_ok=True)
+        directory = workdir / "checkpoints" / f"syncer_{s}" if config.checkpoint.every else None
+        command = syncer_command(config_file, port_files[s], free_port(), s, directory)
+        supervisor.add("syncer" if shards == 1 else f"syncer_{s}", command)
+    ports = [_wait_for_port(f, procs, timeout_s=180) for f in port_files]
+    return ",".join(f"127.0.0.1:{port}" for port in ports)
+
+
 def _wait_for_port(port_file: pathlib.Path, procs: Processes, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if port_file.exists():
             return int(port_file.read_text())
         if procs.failed():
-            raise RuntimeError(f"the syncer exited early:\n{procs.tail('syncer')}")
+            name = sorted(procs.failed())[0]
+            raise RuntimeError(f"{name} exited early:\n{procs.tail(name)}")
         time.sleep(0.05)
     raise TimeoutError(f"the syncer did not start within {timeout_s:.0f}s")
 
@@ -158,6 +239,22 @@ def progress_line(status: dict[str, Any], total_steps: int, elapsed: float) -> s
             f"v{info['versions']}"
         )
     return f"[decoupled] {elapsed:5.0f}s | " + " | ".join(parts) + f" | merges {status['merges']}"
+
+
+def _python() -> str:
+    """This interpreter as the user would type it (`.venv/bin/python` from the repository)."""
+    try:
+        return str(pathlib.Path(sys.executable).relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return sys.executable
+
+
+def _shown(path: pathlib.Path) -> str:
+    """`path` relative to the current directory when it is below it."""
+    try:
+        return str(path.relative_to(pathlib.Path.cwd().absolute()))
+    except ValueError:
+        return str(path)
 
 
 def run_decoupled(
@@ -177,29 +274,57 @@ def run_decoupled(
     # Absolute: the children run from the package's root, not from the caller's directory.
     workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="decoupled_")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
+    from decoupled_diloco import supervisor as supervisor_lib
+
+    # Timeline (goodput) and, under `config.chaos`, the fault schedule and its controls.
+    config, chaos_env, schedule = supervisor_lib.prepare_run(config, workdir)
     config_file = write_config_file(config, workdir / "config.py")
     port_file = workdir / "syncer.port"
     port_file.unlink(missing_ok=True)
     token = config.decoupled.syncer.token or os.environ.get(wire.TOKEN_ENV) or secrets.token_hex(16)
-    procs = Processes(workdir / "logs", child_env(token))
+    procs = Processes(workdir / "logs", {**child_env(token), **chaos_env})
+    events = supervisor_lib.EventLog(workdir, time.monotonic())
+    supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events)
+    injector = None
     previous = None
     if threading.current_thread() is threading.main_thread():
         # SIGTERM would otherwise end Python without running `finally`: turn it into an exit.
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        procs.start("syncer", syncer_command(config_file, port_file))
-        address = f"127.0.0.1:{_wait_for_port(port_file, procs, timeout_s=180)}"
+        address = _start_syncers(config, config_file, workdir, port_file, supervisor, procs)
+        # Owner-only, so that `status --workdir=WORKDIR` can watch this local run.
+        fd = os.open(workdir / "run_token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        print(
+            f"[decoupled] syncer at {address}; to watch it live from another terminal: "
+            f"{_python()} -m decoupled_diloco.status --workdir={_shown(workdir)} --watch",
+            flush=True,
+        )
         summaries = [workdir / f"learner_{i}.json" for i in range(config.num_learners)]
         for i in range(config.num_learners):
             summaries[i].unlink(missing_ok=True)
-            procs.start(f"learner_{i}", learner_command(config_file, address, i, summaries[i]))
-        client = SyncerClient(address, config.decoupled.syncer, token)
+            for name, command in island_commands(config, config_file, address, i, summaries[i]):
+                leader = name == f"learner_{i}"
+                env = supervisor_lib.learner_env(i, leader)
+                supervisor.add(name, command, learners=[i], env=env)
+        client = syncer_client(address, config.decoupled.syncer, token)
+        supervisor.start_thread()
+        if schedule is not None:
+            injector = supervisor_lib.start_injector(schedule, supervisor, workdir, client)
         evaluator = GlobalEvaluator(config, client, corpus)
-        status = _monitor(config, procs, client, evaluator, workdir, t_start, progress_s)
+        status = _monitor(config, supervisor, client, evaluator, workdir, t_start, progress_s)
+        if injector is not None:
+            injector.halt.set()
+            supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval
+            client.wait_ready(120)
         learners = [json.loads(path.read_text()) for path in summaries]
         params, eval_loss = evaluator()
         client.close()
     finally:
+        if injector is not None:
+            injector.halt.set()
+        supervisor.stop()
         procs.reap()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -217,12 +342,29 @@ def run_decoupled(
         "outer_syncs": status["merges"],
         "merge_sizes": status["merge_sizes"],
         "fragments": status["fragments"],
+        "merge_log": status.get("merge_log", []),  # the syncer's last 200 merges
         "stall_fraction_max": max(x["stall_fraction"] for x in learners),
         "learners": learners,
         "params": int(sum(x.size for x in params_leaves(params))),
+        # Traffic of all learners' pushes and pulls (headers included), next to what a ring
+        # all-reduce of float32 gradients every step would have moved for the same steps.
+        "bytes_sent": sum(x.get("bytes_sent", 0) for x in learners),
+        "bytes_received": sum(x.get("bytes_received", 0) for x in learners),
+        "dp_equivalent_bytes": sum(x["steps"] for x in learners)
+        * ring_allreduce_bytes(config.num_learners, sum(x.size for x in params_leaves(params))),
+        # Goodput, uptime, faults and recoveries (see `timeline` for the definitions).
+        **supervisor_lib.chaos_summary(workdir, events, t_end=time.time()),
+        "max_staleness": status.get("max_staleness", 0),
+        **(
+            {"final_eval_accuracy": evaluator.metrics.get("accuracy")}
+            if evaluator.island.task.classification
+            else {}
+        ),
         "config": dataclasses.asdict(config),
     }
     write_summary(workdir, summary)
+    if schedule is not None:  # under faults: the picture of who did what when
+        supervisor_lib.write_timeline_png(workdir)
     return summary, params
 
 
@@ -235,14 +377,17 @@ def params_leaves(params: Any) -> list[np.ndarray]:
 
 def _monitor(
     config: config_lib.ExperimentConfig,
-    procs: Processes,
+    supervisor: Any,
     client: SyncerClient,
     evaluate: GlobalEvaluator,
     workdir: pathlib.Path,
     t_start: float,
     progress_s: float,
 ) -> dict[str, Any]:
-    """Polls the syncer until every learner has exited; writes metrics and progress.
+    """Polls the syncer until every learner has finished; writes metrics and progress.
+
+    `supervisor` (`supervisor.Supervisor`) owns the children: it restarts those a fault killed,
+    and reports any that died on their own.
 
     Every `eval.every` steps (mean over learners) it also evaluates the global parameters, the
     model the syncer would hand out, as the synchronous modes evaluate theirs.
@@ -251,13 +396,11 @@ def _monitor(
     writer = MetricsWriter(workdir)
     learner_names = [f"learner_{i}" for i in range(config.num_learners)]
     status: dict[str, Any] = {"merges": 0, "learners": {}}
+    staleness = 0  # the largest version lag of a learner seen (summary: max_staleness)
     try:
         while True:
-            failed = procs.failed()
-            if failed:
-                name = sorted(failed)[0]
-                raise RuntimeError(f"{name} exited with code {failed[name]}:\n{procs.tail(name)}")
-            done = all(procs.procs[n].poll() is not None for n in learner_names)
+            supervisor.check()  # a child that died on its own, not by a fault, ends the run
+            done = supervisor.finished(learner_names)
             try:
                 status = client.status()
             except Exception as error:  # noqa: BLE001 - report and keep watching the children.
@@ -267,8 +410,13 @@ def _monitor(
             if learners:
                 steps = [x["step"] for x in learners.values()]
                 event: dict[str, Any] = {}
+                staleness = max([staleness] + [x.get("staleness", 0) for x in learners.values()])
                 if config.eval.every and np.mean(steps) >= next_eval:
-                    event["eval_loss"] = evaluate()[1]
+                    try:
+                        evaluate()
+                        event.update(evaluate.event())  # eval_loss (+ eval_accuracy, ...)
+                    except Exception as error:  # noqa: BLE001 - e.g. a syncer killed by a fault.
+                        print(f"[decoupled] evaluation skipped: {error}", flush=True)
                     while next_eval <= np.mean(steps):
                         next_eval += config.eval.every
                 # NaN (no step yet) becomes null: every line stays valid JSON.
@@ -289,11 +437,15 @@ def _monitor(
                     versions=[f["version"] for f in status["fragments"]],
                     wall_s=elapsed,
                     outer_syncs=status["merges"],
+                    # Per learner, cumulative: bytes pushed and pulled, push rounds done.
+                    learner_bytes_sent=[x.get("bytes_sent", 0) for x in learners.values()],
+                    learner_bytes_received=[x.get("bytes_received", 0) for x in learners.values()],
+                    learner_sync_rounds=[x.get("sync_rounds", 0) for x in learners.values()],
                     **({"learner_eval_loss": float(np.mean(evals))} if evals else {}),
                     **event,
                 )
             if done:
-                return _wait_for_last_merges(client, status)
+                return {**_wait_for_last_merges(client, status), "max_staleness": staleness}
             time.sleep(progress_s)
     finally:
         writer.close()
@@ -314,8 +466,8 @@ class GlobalEvaluator:
     def __init__(self, config: config_lib.ExperimentConfig, client: SyncerClient, corpus: Any):
         import jax
 
-        from decoupled_diloco import data as data_lib
         from decoupled_diloco import fragments as F
+        from decoupled_diloco import tasks
         from decoupled_diloco.island import Island
 
         self.config, self.client = config, client
@@ -323,10 +475,9 @@ class GlobalEvaluator:
         specs = F.tensor_specs(self.island.abstract_params)
         self.cut = F.partition(specs, config.decoupled.fragments)
         self.num_leaves = len(specs)
-        corpus = corpus or data_lib.load_corpus(config.data.path, config.data.val_fraction)
-        self.batches = data_lib.validation_batches(
-            corpus.val_BN, config.model.seq_len, config.data.batch_size, config.eval.batches
-        )
+        dataset = tasks.load_dataset(config, corpus)  # text corpus or image set
+        self.batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
+        self.metrics: dict[str, float] = {}
 
     def params(self) -> Any:
         """The current global parameters, as a host pytree."""
@@ -340,6 +491,11 @@ class GlobalEvaluator:
         return jax.tree.unflatten(jax.tree.structure(self.island.abstract_params), leaves)
 
     def __call__(self) -> tuple[Any, float]:
-        """(global parameters, their mean validation loss)."""
+        """(global parameters, their mean validation loss); all metrics go to `metrics`."""
         params = self.params()
-        return params, self.island.evaluate(params, self.batches)
+        self.metrics = self.island.evaluate_metrics(params, self.batches)
+        return params, self.metrics["loss"]
+
+    def event(self) -> dict[str, float]:
+        """The last evaluation as metrics fields: eval_loss, and eval_accuracy if classifying."""
+        return {f"eval_{k}": v for k, v in self.metrics.items()}

@@ -15,6 +15,7 @@ puts it onto its own mesh, so learners with different mesh shapes share one sync
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import sys
@@ -26,13 +27,23 @@ from typing import Any
 import jax
 import numpy as np
 
-from decoupled_diloco import data as data_lib
+from decoupled_diloco import chaos, compression, tasks
 from decoupled_diloco import fragments as F
-from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco import learner_recovery as recovery
+from decoupled_diloco.comm import wire
+from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
 from decoupled_diloco.island import InnerState, Island
+from decoupled_diloco.timeline import Timeline
 
 _STEP_WINDOW = 10  # steps per measurement of this learner's step time
+
+
+@dataclasses.dataclass
+class _Encoded:
+    """A fragment's encoded outer gradient: section arrays in wire order."""
+
+    arrays: list[np.ndarray]
 
 
 @dataclasses.dataclass
@@ -50,11 +61,13 @@ class Learner:
     Args:
       config: the experiment.
       learner_id: this learner's index (its data shard and identity at the syncer).
-      address: HOST:PORT of the syncer.
+      address: HOST:PORT of the syncer, or of its S shards, comma-separated, shard 0 first.
       devices: this learner's devices (default: the first ones the mesh needs).
       mesh_shape: (`data`, `model`) axes; default from `decoupled.mesh_shapes` or `mesh.shape`.
       slowdown: >1 makes every step this many times slower (older hardware stand-in).
       token: the run token (default: config or `DD_RUN_TOKEN`).
+      workdir: the run directory; with `checkpoint.every` > 0 the learner checkpoints into
+        `workdir/checkpoints/learner_ID` and resumes from there (see `learner_recovery`).
     """
 
     def __init__(
@@ -66,7 +79,9 @@ class Learner:
         mesh_shape: tuple[int, int] | None = None,
         slowdown: float = 1.0,
         token: str = "",
+        workdir: str | pathlib.Path | None = None,
     ):
+        t_construct = time.time()  # restart timing: imports are done by now
         self.config, self.id, self.slowdown = config, learner_id, slowdown
         shape = mesh_shape or parse_mesh_shapes(config)[learner_id]
         devices = devices or jax.devices()[: shape[0] * shape[1]]
@@ -76,8 +91,25 @@ class Learner:
         self.cut = F.partition(self.specs, config.decoupled.fragments)
         self.treedef = jax.tree.structure(self.island.abstract_params)
         self.shardings = self.treedef.flatten_up_to(self.island.param_sharding)
-        self.client = SyncerClient(address, config.decoupled.syncer, token)
+        self.client = syncer_client(address, config.decoupled.syncer, token)
         num = len(self.cut)
+        # Recovery (`learner_recovery`): checkpoints and data journal, undelivered pushes.
+        self.checkpoints = (
+            recovery.LearnerCheckpoints(
+                pathlib.Path(workdir) / "checkpoints" / f"learner_{learner_id}",
+                config.checkpoint.every,
+                config.checkpoint.max_to_keep,
+            )
+            if workdir and config.checkpoint.every
+            else None
+        )
+        self.outbox = recovery.Outbox(
+            num, config.decoupled.syncer.max_unsent, f"learner {learner_id}"
+        )
+        self.data_position = self.skipped_batches = self.lost_steps = 0
+        self.restarts = self.restored_from_step = 0
+        self.startup: dict[str, float] = {"process_start": recovery.process_start_time()}
+        self.startup["constructing"] = t_construct
         self.anchor: list[list[np.ndarray]] = [[] for _ in range(num)]
         self.versions = [0] * num
         self.steps_since = [0] * num
@@ -89,7 +121,10 @@ class Learner:
         self.fastest_step_s = 0.0
         self.inbox: dict[int, Inbound] = {}
         self.inbox_lock = threading.Lock()
-        self.pool = futures.ThreadPoolExecutor(max_workers=num + 1)
+        # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
+        self.pool = futures.ThreadPoolExecutor(
+            max_workers=num * (config.decoupled.syncer.max_unsent + 1) + 1
+        )
         self.jobs: list[futures.Future] = []
         self.stop = threading.Event()
         self.step = self.tokens = 0
@@ -99,6 +134,32 @@ class Learner:
         self.blocked_s = self.sync_host_s = 0.0
         self.errors: list[str] = []
         self.pushes = {"accepted": 0, "late": 0, "duplicate": 0}
+        # Outer-gradient compression (`compression`): encoded on this mesh by one jit-compiled
+        # function; with error feedback, `ef_residual` (a params-like pytree on this mesh, else
+        # None) holds what was not sent yet. It is part of the checkpoint (`checkpoint_items`).
+        z = config.compression
+        self.codec = compression.codec_for(z)
+        self.compressed = z.scheme != "none"
+        self._encode = jax.jit(functools.partial(compression.encode_fragment, codec=self.codec))
+        self.ef_residual: Any = None
+        if z.error_feedback:
+            self.ef_residual = jax.tree.map(
+                lambda s, sharding: jax.device_put(np.zeros(s.shape, s.dtype), sharding),
+                self.island.abstract_params,
+                self.island.param_sharding,
+            )
+        self.compress_s = 0.0
+        self.round_log: list[dict[str, int]] = []  # bytes per push round (summary, metrics)
+        # State timeline (goodput, see `timeline`) and live fault controls, when the launcher
+        # set them up; None otherwise.
+        self.timeline = Timeline.from_env(f"learner_{learner_id}", [learner_id])
+        self.chaos = chaos.Controls.from_env(learner_id)
+        self._compiled = False
+
+    def _mark(self, state: str, step: int = -1) -> None:
+        """Records a state change in the timeline (if any)."""
+        if self.timeline is not None:
+            self.timeline.enter(state, step)
 
     # Syncer link -----------------------------------------------------------------------------
 
@@ -112,6 +173,7 @@ class Learner:
         """
         self.client.wait_ready(timeout_s)
         reply = self.client.register(self.id, F.fingerprint(self.specs), self.mesh_name)
+        self._mark("waiting")  # for peers (fresh run), then the global fragments
         deadline = time.monotonic() + peers_s
         while not any(reply.versions) and time.monotonic() < deadline:
             if len(self.client.status()["learners"]) >= self.config.num_learners:
@@ -134,15 +196,21 @@ class Learner:
         tokens: int,
         final: bool,
         pushed_at: int,
+        ticket: recovery.Unsent | None = None,
     ) -> None:
         """Background: push Δ = anchor − θ for fragment p, then wait for the merged fragment.
 
         The merged fragment is due at the step boundary after step `pushed_at` + τ, or at the
-        first boundary after it arrives if it comes later.
+        first boundary after it arrives if it comes later. While the syncer is unreachable,
+        the push and the pull are retried with backoff (`ticket`: see `recovery.Outbox`).
         """
         try:
-            delta = [a - x for a, x in zip(anchor, local, strict=True)]
-            reply = self.client.push(
+            if isinstance(local, _Encoded):  # compressed on the mesh by `_launch`
+                arrays, tensors = local.arrays, wire.headers(self.cut[p], self.codec)
+            else:
+                arrays, tensors = [a - x for a, x in zip(anchor, local, strict=True)], None
+            send = functools.partial(
+                self.client.push,
                 learner_id=self.id,
                 fragment=p,
                 round=rnd,
@@ -150,8 +218,13 @@ class Learner:
                 steps=steps,
                 tokens=tokens,
                 specs=self.cut[p],
-                arrays=delta,
+                arrays=arrays,
+                tensors=tensors,
             )
+            reply = self.outbox.deliver(ticket, send, self.stop) if ticket else send()
+            if reply is None:  # folded into a newer push, dropped, or the learner is stopping
+                return
+            sent, received = self.client.last_bytes(), 0
             self.pushes[
                 "duplicate" if reply.duplicate else "accepted" if reply.accepted else "late"
             ] += 1
@@ -161,7 +234,18 @@ class Learner:
             wait_s = min(self.config.decoupled.syncer.rpc_timeout_s, 5.0)
             version = -1
             while version < 0 and not self.stop.is_set():
-                version, values = self.client.pull(self.id, p, base + 1, wait_s)
+                # `have`: with a compressed downlink the syncer sends the difference from it.
+                pull = functools.partial(
+                    self.client.pull, self.id, p, base + 1, wait_s, have=(base, anchor)
+                )
+                pulled = recovery.retrying(pull, self.stop)  # the syncer may be restarting
+                if pulled is None:
+                    break
+                version, values = pulled
+                received += self.client.last_bytes()
+            self.round_log.append(
+                {"fragment": p, "round": rnd, "step": pushed_at, "sent": sent, "received": received}
+            )
             if version >= 0:
                 with self.inbox_lock:
                     held = self.inbox.get(p)
@@ -169,6 +253,8 @@ class Learner:
                         after = pushed_at + self.config.decoupled.overlap_steps
                         self.inbox[p] = Inbound(version, values, after)
         except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
+            if self.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
+                return
             self.errors.append(f"fragment {p} round {rnd}: {type(error).__name__}: {error}")
             print(f"[learner {self.id}] sync error: {self.errors[-1]}", file=sys.stderr, flush=True)
 
@@ -208,6 +294,9 @@ class Learner:
                 blocked_s=self.blocked_s,
                 step_time_s=self.step_time_s,
                 eval_loss=self.eval_loss,
+                bytes_sent=self.client.bytes_sent,
+                bytes_received=self.client.bytes_received,
+                sync_rounds=len(self.round_log),
             )
             self.fastest_step_s = reply.fastest_step_time_s
         except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
@@ -215,13 +304,32 @@ class Learner:
 
     # Step loop -------------------------------------------------------------------------------
 
-    def _apply_arrivals(self, state: InnerState) -> InnerState:
-        """Merges every fragment whose overlap has passed into the live parameters."""
-        t0 = time.perf_counter()
+    # Hooks that a multi-process island (`multihost.MultihostLearner`) replaces by collectives.
+
+    def _take_ready(self) -> dict[int, Inbound]:
+        """Removes and returns the merged fragments whose overlap has passed."""
         with self.inbox_lock:
             ready = {p: x for p, x in self.inbox.items() if self.step >= x.apply_after_step}
             for p in ready:
                 del self.inbox[p]
+        return ready
+
+    def _to_host(self, leaves: list[jax.Array]) -> list[np.ndarray]:
+        """Host copies of device arrays."""
+        return [np.asarray(x) for x in jax.device_get(leaves)]
+
+    def _place(self, value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+        """A host value onto this island's devices."""
+        return jax.device_put(value, sharding)
+
+    def _batch(self, tokens_BT1: np.ndarray) -> jax.Array | np.ndarray:
+        """A host batch as the inner step takes it (the island places host batches itself)."""
+        return tokens_BT1
+
+    def _apply_arrivals(self, state: InnerState) -> InnerState:
+        """Merges every fragment whose overlap has passed into the live parameters."""
+        t0 = time.perf_counter()
+        ready = self._take_ready()
         self.blocked_s += time.perf_counter() - t0
         if not ready:
             return state
@@ -230,7 +338,7 @@ class Learner:
         alpha = self.config.decoupled.alpha
         for p, inbound in ready.items():
             for spec, value in zip(self.cut[p], inbound.values, strict=True):
-                placed = jax.device_put(value, self.shardings[spec.index])
+                placed = self._place(value, self.shardings[spec.index])
                 leaves[spec.index] = (
                     placed if alpha == 0 else alpha * leaves[spec.index] + (1 - alpha) * placed
                 )
@@ -244,9 +352,17 @@ class Learner:
         # the copy itself and not the compute it would otherwise absorb.
         jax.block_until_ready(leaves)
         t0 = time.perf_counter()
-        # A host copy now: the next step donates (invalidates) these device buffers.
-        local = [np.asarray(x) for x in jax.device_get(leaves)]
+        if self.compressed:
+            local = self._compress(p, leaves)
+            self.compress_s += time.perf_counter() - t0
+        else:
+            # A host copy now: the next step donates (invalidates) these device buffers.
+            local = self._to_host(leaves)
         self.sync_host_s += time.perf_counter() - t0
+        # Undelivered older pushes of p may be folded into this one (`recovery.Outbox`).
+        ticket = self.outbox.add(
+            p, self.versions[p], self.steps_since[p], self.tokens_since[p], not self.compressed
+        )
         job = self.pool.submit(
             self._sync,
             p,
@@ -254,44 +370,107 @@ class Learner:
             self.versions[p],
             self.anchor[p],
             local,
-            self.steps_since[p],
-            self.tokens_since[p],
+            ticket.steps,
+            ticket.tokens,
             final,
             self.step,
+            ticket,
         )
         self.jobs = [j for j in self.jobs if not j.done()] + [job]
         self.rounds[p] += 1
         self.steps_since[p] = self.tokens_since[p] = 0
 
+    def _compress(self, p: int, leaves: list[jax.Array]) -> _Encoded:
+        """Encodes fragment p's outer gradient on the mesh (error feedback: updates the residual).
+
+        Waits for the (small) result, so that the next step may donate the parameters and
+        no second multi-device program is queued behind it.
+        """
+        residual = None
+        if self.ef_residual is not None:
+            residual_leaves = self.treedef.flatten_up_to(self.ef_residual)
+            residual = F.gather(residual_leaves, self.cut[p])
+        sections, new_residual = self._encode(self.anchor[p], leaves, residual)
+        sections = jax.device_get(sections)
+        if new_residual is not None:
+            for spec, value in zip(self.cut[p], new_residual, strict=True):
+                residual_leaves[spec.index] = jax.device_put(value, self.shardings[spec.index])
+            self.ef_residual = jax.tree.unflatten(self.treedef, residual_leaves)
+        return _Encoded(wire.encoded_arrays(sections, self.cut[p], self.codec))
+
+    def checkpoint_items(self) -> dict[str, Any]:
+        """This learner's state pytrees for its Orbax checkpoint, by name.
+
+        Compression registers `ef_residual` here when error feedback is on (its sharding is
+        the parameters'); restore by assigning the restored tree back to `self.ef_residual`.
+        """
+        items: dict[str, Any] = {}
+        if self.ef_residual is not None:
+            items["ef_residual"] = self.ef_residual
+        return items
+
     def run(self) -> dict[str, Any]:
         """Trains `train_steps` inner steps, then pushes what is left; returns a summary."""
         c = self.config
-        corpus = data_lib.load_corpus(c.data.path, c.data.val_fraction)
-        batches = data_lib.train_iterator(
-            corpus.train_BN, c.model.seq_len, c.data.batch_size, self.id, c.num_learners, c.seed
-        )
-        state = self.island.init(c.seed)
+        dataset = tasks.load_dataset(c)  # the text corpus or the image set of the config
+        batches = dataset.train_iterator(c.data.batch_size, self.id, c.num_learners, c.seed)
+        self.startup["data_loaded"] = time.time()
+        if self.checkpoints is not None:  # a restart resumes its checkpoint and data position
+            self._mark("restoring")
+            state = self.checkpoints.restore(self, lambda: self.island.init(c.seed), batches)
+            self.next_due = recovery.reschedule(self.step, len(self.cut), c.inner_steps)
+        else:
+            state = self.island.init(c.seed)
+        self.startup["restored"] = time.time()
         leaves = self.treedef.flatten_up_to(state.params)
-        for p, frag in enumerate(self.cut):  # Start from the syncer's global values.
+        # Start (or rejoin) from the syncer's global values, pulled by `connect`.
+        for p, frag in enumerate(self.cut):
             for spec, value in zip(frag, self.anchor[p], strict=True):
-                leaves[spec.index] = jax.device_put(value, self.shardings[spec.index])
+                leaves[spec.index] = self._place(value, self.shardings[spec.index])
         state = InnerState(jax.tree.unflatten(self.treedef, leaves), state.opt_state)
+        if self.compressed:  # Compile every fragment's encoder now, not in the step loop.
+            ef = self.ef_residual
+            residual = None if ef is None else self.treedef.flatten_up_to(ef)
+            for p, frag in enumerate(self.cut):
+                jax.block_until_ready(
+                    self._encode(
+                        self.anchor[p],
+                        F.gather(self.treedef.flatten_up_to(state.params), frag),
+                        None if residual is None else F.gather(residual, frag),
+                    )
+                )
         beat = threading.Thread(target=self._heartbeats, daemon=True)
         beat.start()
         t_start = t_window = time.perf_counter()
-        for step in range(1, c.train_steps + 1):
+        for step in range(self.step + 1, c.train_steps + 1):
             state = self._apply_arrivals(state)
+            first = not self._compiled  # this process's first step compiles
+            self._mark("compiling" if first else "stepping", step)
             t_step = time.perf_counter()
-            state, self.loss = self.island.step(state, next(batches))
-            if self.slowdown > 1:
+            batch = next(batches)
+            self.data_position += 1
+            if self.checkpoints is not None:
+                self.checkpoints.drew(self.data_position)  # before the step: see the data rule
+            state, self.loss = self.island.step(state, self._batch(batch))
+            slowdown = max(self.slowdown, self.chaos.slowdown() if self.chaos else 1.0)
+            if slowdown > 1 or first:
                 self.loss.block_until_ready()
-                time.sleep((self.slowdown - 1) * (time.perf_counter() - t_step))
+                time.sleep((slowdown - 1) * (time.perf_counter() - t_step))
+            if first:
+                self.startup["first_step"] = time.time()
+                print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
+            self._compiled = True
             self.step, self.tokens = step, self.tokens + c.tokens_per_step
             for p in range(len(self.cut)):
                 self.steps_since[p] += 1
                 self.tokens_since[p] += c.tokens_per_step
             for p in self.due(step):
                 self._launch(state, p)
+            if self.checkpoints is not None and self.checkpoints.due(step, c.train_steps):
+                # Dispatched steps finish first: their compute is stepping time, not saving.
+                self.loss.block_until_ready()
+                self._mark("checkpointing", step)
+                self.checkpoints.save(self, state, batches)
             if step % _STEP_WINDOW == 0:
                 # Wall time per step over a window (single steps are dispatched asynchronously
                 # and time nothing); the syncer's grace window and DyLU use it.
@@ -305,6 +484,8 @@ class Learner:
                     flush=True,
                 )
         train_wall = time.perf_counter() - t_start
+        self.loss.block_until_ready()  # (the last steps' compute is stepping time)
+        self._mark("blocked")  # the final flush
         for p in range(len(self.cut)):  # Final flush: the steps since each fragment's last push.
             if self.steps_since[p]:
                 self._launch(state, p, final=True)
@@ -314,8 +495,11 @@ class Learner:
         self.stop.set()
         beat.join()
         self._heartbeat("done")
+        self._mark("done")
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         return {
             "learner_id": self.id,
             "mesh": self.mesh_name,
@@ -332,8 +516,27 @@ class Learner:
             "final_loss": float(self.loss),
             "versions": self.versions,
             "pushes": self.pushes,
+            # Recovery (see `learner_recovery`): restarts, the data rule, outage buffering.
+            "restarts": self.restarts,
+            "restored_from_step": self.restored_from_step,
+            "data_position": self.data_position,
+            "skipped_batches": self.skipped_batches,
+            "lost_steps": self.lost_steps,
+            "pushes_folded": self.outbox.folded,
+            "pushes_dropped": self.outbox.dropped,
+            "pushes_unsent": self.outbox.unsent(),
+            "checkpoint_save_s": self.checkpoints.save_s if self.checkpoints else 0.0,
+            "startup": self.startup,
             "retries": self.client.retries_done,
             "errors": self.errors,
+            # Traffic of the data calls, headers included (the initial pulls too).
+            "bytes_sent": self.client.bytes_sent,
+            "bytes_received": self.client.bytes_received,
+            "compression": self.codec.scheme,
+            # Encoding on the mesh, done in the step loop (inside `sync_host_s`).
+            "compress_s": self.compress_s,
+            "compress_fraction": self.compress_s / max(train_wall, 1e-9),
+            "rounds": self.round_log,
         }
 
 
@@ -359,11 +562,37 @@ def main(argv: list[str]) -> None:
     slowdown = values.slowdown or (
         config.slowdown if config.slow_learner == values.learner_id else 1.0
     )
-    learner = Learner(config, values.learner_id, values.syncer, mesh_shape=shape, slowdown=slowdown)
+    if values.num_processes > 1:  # One island over several processes (hosts): see multihost.
+        from decoupled_diloco import multihost
+
+        group = multihost.ProcessGroup(values.coordinator, values.num_processes, values.process_id)
+        multihost.initialize(group)
+        learner = multihost.MultihostLearner(
+            config,
+            values.learner_id,
+            values.syncer,
+            group,
+            mesh_shape=shape,
+            slowdown=slowdown,
+            workdir=values.workdir or None,
+        )
+    else:
+        learner = Learner(
+            config,
+            values.learner_id,
+            values.syncer,
+            mesh_shape=shape,
+            slowdown=slowdown,
+            workdir=values.workdir or None,
+        )
     learner.connect()
+    learner.startup["connected"] = time.time()
+    print(f"[learner {learner.id}] joined at versions {learner.versions}", flush=True)
     summary = learner.run()
-    if values.summary:
-        pathlib.Path(values.summary).write_text(json.dumps(summary, indent=2) + "\n")
+    if values.summary:  # whole or not at all: a restart may be killed mid-write
+        path = pathlib.Path(values.summary)
+        path.with_suffix(".tmp").write_text(json.dumps(summary, indent=2) + "\n")
+        path.with_suffix(".tmp").replace(path)
     stall = 100 * summary["stall_fraction"]
     print(f"[learner {learner.id}] done: {summary['steps']} steps, stall {stall:.2f}%", flush=True)
 
@@ -377,22 +606,40 @@ if __name__ == "__main__":
     from decoupled_diloco.procs import die_with_parent
 
     config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
-    flags.DEFINE_string("syncer", "127.0.0.1:50051", "HOST:PORT of the syncer.")
+    flags.DEFINE_string(
+        "syncer", "127.0.0.1:50051", "HOST:PORT of the syncer (of each shard: comma-separated)."
+    )
     flags.DEFINE_integer("learner_id", 0, "This learner's index.")
     flags.DEFINE_string("mesh_shape", "", "DATAxMODEL, overriding the config (e.g. 2x1).")
     flags.DEFINE_float("slowdown", 0.0, "Step slow-down factor (default: from the config).")
     flags.DEFINE_string("summary", "", "Write this learner's summary JSON here.")
+    flags.DEFINE_string(
+        "workdir", "", "Run directory: checkpoints and data journal (with checkpoint.every)."
+    )
+    flags.DEFINE_string("coordinator", "", "Multi-process island: HOST:PORT of its process 0.")
+    flags.DEFINE_integer("num_processes", 1, "Processes (hosts) forming this learner's island.")
+    flags.DEFINE_integer("process_id", 0, "This process's index in its island (0: leader).")
     die_with_parent()
 
     def _start(argv: list[str]) -> None:
         # On CPU, fake as many devices as the mesh needs (and raise XLA:CPU's collective
         # timeouts), before JAX picks a backend.
+        from absl import logging
+
         from decoupled_diloco import config as config_lib
         from decoupled_diloco.cpu_devices import configure_cpu_devices
 
+        if not flags.FLAGS["verbosity"].present:  # Orbax logs every checkpoint at INFO
+            logging.set_verbosity(logging.WARNING)
         config = config_lib.from_config_dict(flags.FLAGS.config)
         shape = _mesh_shape(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
-        configure_cpu_devices(shape[0] * shape[1])
+        from decoupled_diloco.multihost import local_device_count
+
+        configure_cpu_devices(local_device_count(shape[0] * shape[1], flags.FLAGS.num_processes))
+        # A restarted learner loads its compiled step from the persistent cache.
+        recovery.use_compile_cache(
+            pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
+        )
         try:
             main(argv)
         except KeyboardInterrupt:

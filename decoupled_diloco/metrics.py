@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from decoupled_diloco.tb import TensorBoardWriter
+
 
 class MetricsWriter:
     """Writes one JSON object per event to `workdir/metrics.jsonl`, flushed at once.
@@ -18,9 +20,11 @@ class MetricsWriter:
       resume_step: the step training resumes from. Events up to it are kept, so a stopped and
         resumed run has one history; later ones (logged after the checkpoint the run resumed
         from) are dropped, since they are about to be logged again.
+      tensorboard: also write each event as TensorBoard scalars under `workdir/tb` (see `tb`).
     """
 
-    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
+    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0, tensorboard: bool = True):
+        self.tb = TensorBoardWriter(workdir, resume_step) if tensorboard else None
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
@@ -31,9 +35,11 @@ class MetricsWriter:
                         kept.append(line + "\n")
                 except json.JSONDecodeError:  # A line cut short by a crash.
                     continue
-        self._file = self.path.open("w")
-        self._file.writelines(kept)
-        self._file.flush()
+        with self.path.open("w") as rewrite:
+            rewrite.writelines(kept)
+        # Append mode from here: other writers (the chaos supervisor's fault and recovery events)
+        # may append to the same file, and no line may overwrite another.
+        self._file = self.path.open("a")
 
     def write(self, **event: Any) -> None:
         """Writes one event; non-finite floats become null so every line stays valid JSON."""
@@ -43,10 +49,14 @@ class MetricsWriter:
         }
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
+        if self.tb:
+            self.tb.write(clean)
 
     def close(self) -> None:
-        """Closes the file."""
+        """Closes the file (and the TensorBoard event files)."""
         self._file.close()
+        if self.tb:
+            self.tb.close()
 
 
 def write_summary(workdir: str | pathlib.Path, summary: dict[str, Any]) -> pathlib.Path:

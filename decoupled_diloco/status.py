@@ -3,7 +3,8 @@ r"""Shows a running syncer's state: `python -m decoupled_diloco.status --syncer=
 The run token comes from `DD_RUN_TOKEN` (or `--token_file`), never from the command line.
 Prints learners (state, step, loss, heartbeat age, staleness, fragment versions), fragments
 (version, merges, late and duplicate pushes) and the grace-window averages; `--json` prints
-the raw status instead.
+the raw status instead. `--watch` refreshes a live table (see `decoupled_diloco.watch`) until
+Ctrl+C, adding merges per minute and goodput when the syncer reports it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ from typing import Any
 import grpc
 from absl import app, flags
 
-from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.comm.shards import parse_addresses, syncer_client
 from decoupled_diloco.config import SyncerConfig
 
-_SYNCER = flags.DEFINE_string("syncer", "127.0.0.1:50051", "HOST:PORT of the syncer.")
+_SYNCER = flags.DEFINE_string(
+    "syncer", "127.0.0.1:50051", "HOST:PORT of the syncer (of each shard, comma-separated)."
+)
 _TOKEN_FILE = flags.DEFINE_string("token_file", "", "File holding the run token.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "", "A local launcher's run directory: its syncer.port and run_token, read there."
+)
 _TLS_CERT = flags.DEFINE_string("tls_cert", "", "PEM certificate to trust (TLS syncers).")
 _JSON = flags.DEFINE_bool("json", False, "Print the raw status JSON.")
+_WATCH = flags.DEFINE_bool("watch", False, "Refresh a live table until Ctrl+C.")
+_INTERVAL = flags.DEFINE_float("interval", 2.0, "Seconds between refreshes with --watch.")
+_COUNT = flags.DEFINE_integer("count", 0, "With --watch: stop after N refreshes (0: never).")
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -56,15 +65,32 @@ def format_status(status: dict[str, Any]) -> str:
 def main(argv: list[str]) -> None:
     """Fetches and prints the status."""
     del argv
-    token = pathlib.Path(_TOKEN_FILE.value).read_text().strip() if _TOKEN_FILE.value else ""
-    config = SyncerConfig(tls_cert=_TLS_CERT.value, retries=1, rpc_timeout_s=10.0)
+    address, token_file = _SYNCER.value, _TOKEN_FILE.value
+    if _WORKDIR.value:  # A run started by `experiments.train` on this machine.
+        workdir = pathlib.Path(_WORKDIR.value)
+        port_file, token_file = workdir / "syncer.port", str(workdir / "run_token")
+        if not port_file.exists() or not pathlib.Path(token_file).exists():
+            sys.exit(f"{workdir}: no syncer.port or run_token; is a decoupled run going on there?")
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+    token = pathlib.Path(token_file).read_text().strip() if token_file else ""
+    shards = len(parse_addresses(address))  # HOST:PORT,HOST:PORT...: a sharded syncer
+    config = SyncerConfig(tls_cert=_TLS_CERT.value, retries=1, rpc_timeout_s=10.0, shards=shards)
+    if _WATCH.value:
+        from decoupled_diloco.watch import watch
+
+        try:
+            client = syncer_client(address, config, token)
+        except ValueError as error:  # no token
+            sys.exit(str(error))
+        watch(client, address, _INTERVAL.value, _COUNT.value)
+        return
     try:
-        client = SyncerClient(_SYNCER.value, config, token)
+        client = syncer_client(address, config, token)
         status = client.status()
     except ValueError as error:  # no token
         sys.exit(str(error))
     except grpc.RpcError as error:
-        sys.exit(f"{_SYNCER.value}: {error.code().name}: {error.details()}")
+        sys.exit(f"{address}: {error.code().name}: {error.details()}")
     print(json.dumps(status, indent=2) if _JSON.value else format_status(status))
 
 

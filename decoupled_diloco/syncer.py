@@ -23,10 +23,13 @@ from typing import Any
 import grpc
 import numpy as np
 
+from decoupled_diloco import compression
 from decoupled_diloco import fragments as F
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm import wire
+from decoupled_diloco.compression import Codec
+from decoupled_diloco.compression_downlink import Downlink
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.syncer_state import Push, SyncerState
 
@@ -56,10 +59,15 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     def __init__(self, state: SyncerState, token: str, fingerprint: str):
         self.state, self.token, self.fingerprint = state, token, fingerprint
+        self.committer: Any = None  # set by `SyncerServer` when the state is durable
         self.syncer_config = state.config.decoupled.syncer
         # Encoded pull chunks per (fragment, version): encoded once, shared by every learner.
         self._encoded: dict[tuple[int, int], list[bytes]] = {}
         self._encode_lock = threading.Lock()
+        z = state.config.compression
+        # Compressed downlink: per-learner differences from the copy each one holds.
+        lossy = z.downlink and z.scheme != "none"
+        self.downlink = Downlink(compression.codec_for(z)) if lossy else None
 
     def _authorize(self, context: grpc.ServicerContext) -> None:
         got = dict(context.invocation_metadata()).get(wire.TOKEN_HEADER, "")
@@ -72,6 +80,17 @@ class SyncerService(pb_grpc.SyncerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"fragment {p} does not exist (the model has {len(self.state.fragments)})",
             )
+        if p not in self.state.owned:
+            shards = self.state.config.decoupled.syncer.shards
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"fragment {p} belongs to syncer shard {p % shards} of {shards}, not this one",
+            )
+
+    def _durable(self, context: grpc.ServicerContext) -> None:
+        """Waits until every change so far is committed (see `syncer_checkpoint`)."""
+        if not self.state.wait_committed(self.state.seq, self.syncer_config.rpc_timeout_s):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer could not commit its state")
 
     def _known(self, learner_id: int, context: grpc.ServicerContext) -> None:
         if learner_id not in self.state.learners:
@@ -94,6 +113,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 "dtypes: check config.model on both sides)",
             )
         versions = self.state.register(request.learner_id, request.mesh)
+        self._durable(context)
         return pb.RegisterReply(num_fragments=len(versions), versions=versions)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext):  # noqa: D102
@@ -105,6 +125,9 @@ class SyncerService(pb_grpc.SyncerServicer):
             tokens=request.tokens,
             loss=request.loss,
             eval_loss=request.eval_loss,
+            bytes_sent=request.bytes_sent,
+            bytes_received=request.bytes_received,
+            sync_rounds=request.sync_rounds,
             state=request.state or "training",
             versions=list(request.versions),
             blocked_s=request.blocked_s,
@@ -118,7 +141,10 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._authorize(context)
         import json
 
-        return pb.StatusReply(json=json.dumps(self.state.status()))
+        status = self.state.status()
+        if self.committer is not None:  # durable syncer: log syncs and snapshots
+            status["durability"] = self.committer.stats()
+        return pb.StatusReply(json=json.dumps(status))
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
         self._authorize(context)
@@ -146,7 +172,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             context.abort(
                 invalid, f"counters must be steps >= 1, tokens >= 0: {h.steps}, {h.tokens}"
             )
-        if h.base_version > self.state.fragments[h.fragment].version:
+        if h.base_version > self.state.fragments[h.fragment].published:
             context.abort(invalid, f"base version {h.base_version} is from the future")
         pieces, received = [first.data], len(first.data)
         for raw in request_iterator:
@@ -156,13 +182,14 @@ class SyncerService(pb_grpc.SyncerServicer):
             received += len(data)
             if received > limit:
                 context.abort(exhausted, f"payload passed the {limit}-byte limit")
-        try:
-            delta = wire.from_bytes(b"".join(pieces), specs)
+        try:  # decodes (and checks) every tensor before the state sees any of them
+            delta = wire.decode_payload(b"".join(pieces), h.tensors, specs)
         except wire.PayloadError as error:
             context.abort(invalid, f"fragment {h.fragment}: {error}")
         result = self.state.push(
             Push(h.learner_id, h.fragment, h.round, h.base_version, h.steps, h.tokens, delta)
         )
+        self._durable(context)  # acknowledged only once a restart cannot lose it
         return pb.PushReply(
             accepted=result.accepted,
             duplicate=result.duplicate,
@@ -191,6 +218,10 @@ class SyncerService(pb_grpc.SyncerServicer):
             yield pb.FragmentChunk(fragment=request.fragment, version=-1)
             return
         specs = self.state.fragments[request.fragment].specs
+        if self.downlink is not None and request.learner_id >= 0:
+            yield from self._compressed_pull(request, version, values, specs)
+            self.state.record_sync_time(request.fragment, version)
+            return
         pieces = self._payload(request.fragment, version, values)
         total = sum(s.nbytes for s in specs)
         yield pb.FragmentChunk(
@@ -202,6 +233,33 @@ class SyncerService(pb_grpc.SyncerServicer):
         )
         yield from pieces[1:]  # already encoded data-only chunks
         self.state.record_sync_time(request.fragment, version)
+
+    def _compressed_pull(
+        self, request: pb.PullRequest, version: int, values: list, specs: list
+    ) -> Iterator[Any]:
+        """A learner's pull with `compression.downlink`: the difference from its own copy."""
+        base, payload = self.downlink.reply(
+            request.learner_id,
+            request.fragment,
+            version,
+            values,
+            specs,
+            request.have_version if request.has_copy else None,
+        )
+        codec = self.downlink.codec if base is not None else Codec("none")
+        arrays = wire.encoded_arrays(payload, specs, codec) if base is not None else payload
+        tensors = wire.headers(specs, codec)
+        pieces = list(wire.chunk_arrays(arrays, self.syncer_config.chunk_bytes))
+        yield pb.FragmentChunk(
+            fragment=request.fragment,
+            version=version,
+            tensors=tensors,
+            total_bytes=sum(h.payload_bytes for h in tensors),
+            data=pieces[0],
+            delta=base is not None,
+            base_version=base or 0,
+        )
+        yield from (wire.data_chunk(wire.PULL_DATA_TAG, c) for c in pieces[1:])
 
 
 def _serialize(message: Any) -> bytes:
@@ -243,15 +301,44 @@ class SyncerServer:
       host: interface to bind (127.0.0.1 for loopback, 0.0.0.0 for other hosts).
       port: port to bind; 0 picks a free one (see `.port`).
       token: the run token (default: from config or `DD_RUN_TOKEN`).
+      shard: this shard's index; it owns the fragments p with p % `syncer.shards` == shard.
+      checkpoint_dir: where this shard commits its state (see `syncer_checkpoint`); it
+        resumes from the newest readable commit there. None: in memory only.
     """
 
-    def __init__(self, config: ExperimentConfig, host: str = "", port: int = -1, token: str = ""):
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        host: str = "",
+        port: int = -1,
+        token: str = "",
+        shard: int = 0,
+        checkpoint_dir: str | None = None,
+    ):
         s = config.decoupled.syncer
+        if not 0 <= shard < s.shards:
+            raise ValueError(f"--shard={shard} is not in [0, decoupled.syncer.shards={s.shards})")
+        if s.tls_cert and not s.tls_key:  # learners need only the certificate; a syncer both
+            raise ValueError(
+                "config.decoupled.syncer.tls_key: a TLS syncer needs its private key "
+                f"(tls_cert is {s.tls_cert!r})"
+            )
         cut, values = initial_fragments(config)
-        self.state = SyncerState(config, cut, values)
+        owned = [p for p in range(len(cut)) if p % s.shards == shard]
+        self.shard = shard
+        self.state = SyncerState(config, cut, values, owned=owned)
+        self.committer = self.restored_step = None
+        if checkpoint_dir:
+            from decoupled_diloco.syncer_checkpoint import Committer
+
+            self.committer = Committer(
+                self.state, checkpoint_dir, config.checkpoint.max_to_keep, s.snapshot_s
+            )
+            self.restored_step = self.committer.restore()
         self.state.warm_up()
         self.fingerprint = F.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
         self.service = SyncerService(self.state, token or wire.run_token(s), self.fingerprint)
+        self.service.committer = self.committer
         self.server = grpc.server(
             # A pull holds its thread while it waits for a merge, and every learner may have one
             # per fragment in flight; pushes, heartbeats and status calls must still get a thread.
@@ -263,10 +350,17 @@ class SyncerServer:
         add_service(self.service, self.server)
         address = f"{host or s.host}:{port if port >= 0 else s.port}"
         credentials = wire.server_credentials(s)
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
+        except RuntimeError as error:  # gRPC says only "Failed to bind"; say what to do.
+            raise RuntimeError(
+                f"the syncer cannot listen on {address}: the port is in use (another syncer "
+                "still running?) or the host is not an address of this machine; pick another "
+                f"--port, or --port=0 for any free one ({error})"
+            ) from None
         self._stop = threading.Event()
         self._closer = threading.Thread(target=self._close_rounds, daemon=True)
 
@@ -279,6 +373,8 @@ class SyncerServer:
 
     def start(self) -> SyncerServer:
         """Starts serving; returns self."""
+        if self.committer is not None:
+            self.committer.start()
         self.server.start()
         self._closer.start()
         return self
@@ -287,27 +383,49 @@ class SyncerServer:
         """Stops serving (in-flight calls get `grace_s` to finish)."""
         self._stop.set()
         self.server.stop(grace_s).wait()
+        if self.committer is not None:
+            self.committer.stop()
 
 
 def main(argv: list[str]) -> None:
     """Runs a syncer until SIGTERM/SIGINT."""
-    from absl import flags
+    from absl import flags, logging
 
     from decoupled_diloco import config as config_lib
 
     values = flags.FLAGS
+    if not values["verbosity"].present:  # Orbax logs every commit at INFO
+        logging.set_verbosity(logging.WARNING)
+    import pathlib
+
+    from decoupled_diloco.learner_recovery import use_compile_cache
+
+    use_compile_cache(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax")
     config = config_lib.from_config_dict(values.config)
-    server = SyncerServer(config, host=values.host, port=values.port).start()
+    server = SyncerServer(
+        config,
+        host=values.host,
+        port=values.port,
+        shard=values.shard,
+        checkpoint_dir=values.checkpoint_dir or None,
+    ).start()
     if values.port_file:
         import pathlib
 
         path = pathlib.Path(values.port_file)
         path.with_suffix(".tmp").write_text(str(server.port))
         path.with_suffix(".tmp").replace(path)
+    shards = config.decoupled.syncer.shards
+    name = f"[syncer {server.shard}/{shards}]" if shards > 1 else "[syncer]"
+    restored = (
+        f"; resumed from commit {server.restored_step} at versions {server.state.versions()}"
+        if server.restored_step
+        else ""
+    )
     print(
-        f"[syncer] listening on {values.host or config.decoupled.syncer.host}:{server.port}; "
-        f"{len(server.state.fragments)} fragments, quorum {config.decoupled.quorum}, "
-        f"fingerprint {server.fingerprint}",
+        f"{name} listening on {values.host or config.decoupled.syncer.host}:{server.port}; "
+        f"fragments {sorted(server.state.owned)} of {len(server.state.fragments)}, quorum "
+        f"{config.decoupled.quorum}, fingerprint {server.fingerprint}{restored}",
         flush=True,
     )
     done = threading.Event()
@@ -328,5 +446,9 @@ if __name__ == "__main__":
     flags.DEFINE_string("host", "", "Interface to bind (default: config.decoupled.syncer.host).")
     flags.DEFINE_integer("port", -1, "Port (default: config.decoupled.syncer.port; 0: any free).")
     flags.DEFINE_string("port_file", "", "Write the bound port here once serving.")
+    flags.DEFINE_integer("shard", 0, "This shard's index in [0, decoupled.syncer.shards).")
+    flags.DEFINE_string(
+        "checkpoint_dir", "", "Commit the state here and resume from it (empty: in memory)."
+    )
     die_with_parent()
     sys.exit(app.run(main))

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import pathlib
 import threading
 import time
 from collections.abc import Sequence
@@ -116,6 +118,9 @@ class LearnerInfo:
     blocked_s: float = 0.0
     step_time_s: float = 0.0
     pushes: int = 0
+    bytes_sent: int = 0  # the learner's data-call traffic so far (its heartbeat's counters)
+    bytes_received: int = 0
+    sync_rounds: int = 0
 
 
 def merge_and_step(
@@ -132,6 +137,27 @@ def merge_and_step(
     return outer.outer_step(tx, values, opt_state, merged)
 
 
+_merges_seen = 0
+
+
+def _debug_pause_in_merge() -> None:
+    """Test hook: `DD_DEBUG_PAUSE_IN_MERGE=N:PATH` stops the N-th merge halfway, for good.
+
+    The merge has computed the new values but not installed them, and holds the state lock;
+    the hook writes PATH, so that a test can kill the syncer in the middle of a merge.
+    """
+    global _merges_seen
+    hook = os.environ.get("DD_DEBUG_PAUSE_IN_MERGE", "")
+    if not hook:
+        return
+    _merges_seen += 1
+    count, path = hook.split(":", 1)
+    if _merges_seen == int(count):
+        pathlib.Path(path).write_text(str(os.getpid()))
+        while True:
+            time.sleep(1)
+
+
 class FragmentState:
     """Global values, outer optimizer state, version and the open round of one fragment."""
 
@@ -141,6 +167,9 @@ class FragmentState:
         tree = {s.name: v for s, v in zip(self.specs, self.values, strict=True)}
         self.opt_state = jax.device_get(tx.init(tree))
         self.version = 0
+        # What learners may see (pull, register, heartbeat, status): with a durable syncer, a
+        # merged version is published only once a checkpoint holding it is on disk.
+        self.published, self.published_values = 0, self.values
         self.history = {0: self.values}
         self.pending: dict[int, Push] = {}
         self.first_push_t = self.quorum_t = self.closed_t = None
@@ -156,6 +185,8 @@ class SyncerState:
       fragments: the tensor specs of each fragment (`fragments.partition`).
       initial: the initial value of every fragment's tensors (same order as the specs).
       clock: time source (seconds); tests may pass a fake one.
+      owned: the fragments this syncer (shard) serves; default all. The others keep only
+        their specs (no values, no optimizer state) and are refused by the server.
     """
 
     def __init__(
@@ -164,8 +195,11 @@ class SyncerState:
         fragments: Sequence[Sequence[TensorSpec]],
         initial: Sequence[Sequence[np.ndarray]],
         clock: Any = time.monotonic,
+        owned: Sequence[int] | None = None,
     ):
         self.config, self.clock = config, clock
+        self.owned = set(range(len(fragments)) if owned is None else owned)
+        self.started = clock()  # For the status's uptime (and merges per minute).
         d = config.decoupled
         self.tx = outer.make_outer_optimizer(
             config.outer.lr,
@@ -173,10 +207,17 @@ class SyncerState:
             config.outer.nesterov,
             config.outer.delayed_nesterov,
         )
+        # A fragment another shard owns keeps its specs but no values (empty placeholders).
+        empty = np.zeros(0, np.float32)
         self.fragments = [
-            FragmentState(specs, values, self.tx)
-            for specs, values in zip(fragments, initial, strict=True)
+            FragmentState(specs, values if p in self.owned else [empty] * len(specs), self.tx)
+            for p, (specs, values) in enumerate(zip(fragments, initial, strict=True))
         ]
+        # Durability (see `syncer_checkpoint`): `seq` counts changes a restart must not lose;
+        # with `durable` set, merged versions wait for a commit (`publish`) to become visible.
+        self.durable = False
+        self.seq = self.committed_seq = 0
+        self.wal: Any = None  # `syncer_checkpoint.WriteAheadLog`, records every change
         self.learners: dict[int, LearnerInfo] = {}
         self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
         self.merge_log: list[dict[str, Any]] = []
@@ -198,7 +239,7 @@ class SyncerState:
     def warm_up(self) -> None:
         """Compiles every fragment's merge now, so the first real round is not slow."""
         m = self.config.num_learners
-        for frag in self.fragments:
+        for frag in (self.fragments[p] for p in sorted(self.owned)):
             zeros = [np.zeros_like(v) for v in frag.values]
             tree = self._tree(frag, frag.values)
             jax.block_until_ready(
@@ -235,7 +276,8 @@ class SyncerState:
             # A (re)registration is a new incarnation that numbers its rounds from 0 again:
             # forget the old one's idempotency keys, or its first pushes would look like retries.
             self.seen = {k: v for k, v in self.seen.items() if k[0] != learner_id}
-            return [f.version for f in self.fragments]
+            self._changed("register", learner_id)  # a restart must not resurrect old keys
+            return self.versions()
 
     def heartbeat(self, learner_id: int, **fields: Any) -> list[int]:
         """Records a learner's progress; returns the fragment versions."""
@@ -247,7 +289,37 @@ class SyncerState:
             if info.step_time_s > 0:
                 self.ema_step.update(info.step_time_s)
             self.lock.notify_all()  # a learner that finished may complete a quorum
-            return [f.version for f in self.fragments]
+            return self.versions()
+
+    def versions(self) -> list[int]:
+        """Every fragment's published version (what learners may hold); call under the lock."""
+        return [f.published for f in self.fragments]
+
+    def publish(self, seq: int, versions: dict[int, tuple[int, list[np.ndarray]]]) -> None:
+        """Marks change `seq` durable and makes the given (version, values) visible.
+
+        Called by the committer once a checkpoint holding them is on disk; versions only move
+        forward.
+        """
+        with self.lock:
+            for p, (version, values) in versions.items():
+                frag = self.fragments[p]
+                if version > frag.published:
+                    frag.published, frag.published_values = version, values
+                    frag.closed_t = self.clock()  # visible now: ξ_sync counts from here
+            self.committed_seq = max(self.committed_seq, seq)
+            self.lock.notify_all()
+
+    def wait_committed(self, seq: int, timeout_s: float) -> bool:
+        """Blocks until change `seq` is durable (at once when not `durable`); False on timeout."""
+        deadline = self.clock() + timeout_s
+        with self.lock:
+            while self.durable and self.committed_seq < seq:
+                left = deadline - self.clock()
+                if left <= 0:
+                    return False
+                self.lock.wait(min(left, 0.05))
+            return True
 
     # Pushes and rounds -----------------------------------------------------------------------
 
@@ -270,6 +342,7 @@ class SyncerState:
             info = self.learners.setdefault(push.learner_id, LearnerInfo())
             info.pushes += 1
             info.last_seen = self.clock()
+            self._changed("push", key)
             self._maybe_close(push.fragment)
             self.lock.notify_all()
             return result
@@ -278,8 +351,9 @@ class SyncerState:
         delta = push.delta
         stale = push.base_version != frag.version
         if stale and self.config.decoupled.stale_anchor == "syncer":
-            # θ_m = Θ^(b) − Δ, re-anchored at the current Θ.
-            base = frag.history[push.base_version]
+            # θ_m = Θ^(b) − Δ, re-anchored at the current Θ. A base the history lacks (only
+            # after a restart fell back past an unreadable checkpoint) is taken as current.
+            base = frag.history.get(push.base_version, frag.values)
             delta = [c - (b - d) for c, b, d in zip(frag.values, base, delta, strict=True)]
         previous = frag.pending.get(push.learner_id)
         if previous is not None:  # A newer push from the same learner supersedes the older one.
@@ -347,8 +421,11 @@ class SyncerState:
         )
         frag.opt_state = jax.device_get(opt_state)
         new_values = jax.device_get(new_values)
+        _debug_pause_in_merge()
         frag.values = [np.asarray(new_values[s.name]) for s in frag.specs]
         frag.version += 1
+        if not self.durable:  # else the committer publishes it once it is on disk
+            frag.published, frag.published_values = frag.version, frag.values
         frag.merges += 1
         self.merge_sizes[len(pushes)] += 1
         frag.history[frag.version] = frag.values
@@ -372,6 +449,13 @@ class SyncerState:
             }
         )
         frag.pending, frag.first_push_t, frag.quorum_t, frag.closed_t = {}, None, None, now
+        self._changed("merge", p)
+
+    def _changed(self, kind: str, *args: Any) -> None:
+        """Counts a change a restart must not lose, and logs it to the write-ahead log if any."""
+        self.seq += 1
+        if self.wal is not None:
+            self.wal.record(self, kind, *args)
 
     # Pulls and status ------------------------------------------------------------------------
 
@@ -380,26 +464,26 @@ class SyncerState:
         deadline = self.clock() + timeout_s
         with self.lock:
             frag = self.fragments[p]
-            while frag.version < min_version:
+            while frag.published < min_version:
                 left = deadline - self.clock()
                 if left <= 0:
                     return -1, []
                 self.lock.wait(min(left, 0.05))
                 self._maybe_close(p)
-            return frag.version, frag.values
+            return frag.published, frag.published_values
 
     def record_sync_time(self, p: int, version: int) -> None:
         """After a merged fragment reached a learner: time since its round closed (ξ_sync)."""
         with self.lock:
             frag = self.fragments[p]
-            if frag.version == version and frag.closed_t is not None:
+            if frag.published == version and frag.closed_t is not None:
                 self.ema_sync.update(self.clock() - frag.closed_t)
 
     def status(self) -> dict[str, Any]:
         """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs."""
         with self.lock:
             now = self.clock()
-            versions = [f.version for f in self.fragments]
+            versions = self.versions()
             learners = {}
             for i, info in sorted(self.learners.items()):
                 entry = dataclasses.asdict(info)
@@ -414,16 +498,18 @@ class SyncerState:
                 "live": self.live_learners(now),
                 "fragments": [
                     {
-                        "version": f.version,
+                        "version": f.published,
+                        "owned": p in self.owned,
                         "merges": f.merges,
                         "pending": sorted(f.pending),
                         "late_pushes": f.late,
                         "duplicate_pushes": f.duplicates,
                         "bytes": sum(s.nbytes for s in f.specs),
                     }
-                    for f in self.fragments
+                    for p, f in enumerate(self.fragments)
                 ],
                 "merges": sum(f.merges for f in self.fragments),
+                "uptime_s": now - self.started,
                 "merge_sizes": self.merge_sizes,
                 "ema": {
                     "step_s": self.ema_step.get(),

@@ -8,6 +8,7 @@ held-out batches, and writes `metrics.jsonl` and `summary.json`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import time
 from collections.abc import Sequence
@@ -18,6 +19,9 @@ import numpy as np
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import data as data_lib
+from decoupled_diloco import tasks
+from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.compression import ring_allreduce_bytes
 from decoupled_diloco.metrics import MetricsWriter, Progress, write_summary
 from decoupled_diloco.model import Params, count_params
 from decoupled_diloco.trainers import DataParallelTrainer, DiLoCoTrainer
@@ -35,20 +39,17 @@ class RunResult:
 
 def build_trainer(
     config: config_lib.ExperimentConfig,
-    corpus: data_lib.Corpus,
+    corpus: data_lib.Corpus | tasks.Dataset | Any,
     devices: Sequence[jax.Device],
     checkpoint_dir: pathlib.Path | None = None,
 ) -> DataParallelTrainer | DiLoCoTrainer:
-    """The trainer for `config.mode`, with one data shard per learner."""
+    """The trainer for `config.mode`, with one data shard per learner.
+
+    `corpus` is the task's data: a text `Corpus`, an image set or a `tasks.Dataset`.
+    """
+    dataset = tasks.load_dataset(config, corpus)
     iterators = [
-        data_lib.train_iterator(
-            corpus.train_BN,
-            config.model.seq_len,
-            config.data.batch_size,
-            learner_id,
-            config.num_learners,
-            config.seed,
-        )
+        dataset.train_iterator(config.data.batch_size, learner_id, config.num_learners, config.seed)
         for learner_id in range(config.num_learners)
     ]
     return TRAINERS[config.mode](config, devices, iterators, checkpoint_dir)
@@ -68,7 +69,7 @@ def train_and_evaluate(
       workdir: where metrics, summary and checkpoints go; None keeps everything in memory.
       devices: devices to use (default: all); learner i gets the i-th slice.
       stop_after: stop (with a checkpoint) after this global step, as a preemption would.
-      corpus: a pre-loaded corpus (default: load `config.data`).
+      corpus: pre-loaded data, a text corpus or an image set (default: load `config.data`).
 
     Returns:
       The summary and the final global parameters (host arrays).
@@ -81,14 +82,26 @@ def train_and_evaluate(
         return RunResult(summary=summary, params=params)
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(config, device_count=len(devices))
+    supervised = bool(os.environ.get(CHILD_ENV))  # this process is the one a supervisor runs
+    if config.chaos and not supervised:
+        # Under faults the job runs in a child process that a fault can kill -9 (see
+        # `supervisor.run_synchronous`); here we only supervise it.
+        if workdir is None:
+            raise config_lib.ConfigError("config.chaos: a run under faults needs a workdir")
+        from decoupled_diloco.supervisor import run_synchronous
+
+        summary = run_synchronous(config, pathlib.Path(workdir))
+        params = _final_params(config, devices, corpus, pathlib.Path(workdir))
+        return RunResult(summary=summary, params=params)
     t_start = time.perf_counter()
-    corpus = corpus or data_lib.load_corpus(config.data.path, config.data.val_fraction)
-    val_batches = data_lib.validation_batches(
-        corpus.val_BN, config.model.seq_len, config.data.batch_size, config.eval.batches
-    )
+    t_wall = time.time()
+    dataset = tasks.load_dataset(config, corpus)
+    val_batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
     workdir = pathlib.Path(workdir) if workdir is not None else None
     checkpoint_dir = workdir / "checkpoints" if workdir and config.checkpoint.every else None
-    trainer = build_trainer(config, corpus, devices, checkpoint_dir)
+    trainer = build_trainer(config, dataset, devices, checkpoint_dir)
+    timeline = _timeline(config, workdir, fresh=not supervised, t_start=t_wall)
+    _mark(timeline, "restoring")
     start_step = trainer.restore() if checkpoint_dir else 0
     end_step = min(config.train_steps, stop_after or config.train_steps)
     writer = MetricsWriter(workdir, resume_step=start_step) if workdir else None
@@ -96,24 +109,37 @@ def train_and_evaluate(
     tokens_per_step = config.num_learners * config.tokens_per_step
     if start_step:
         print(f"[{config.mode}] resumed from checkpoint at step {start_step}", flush=True)
-    evaluate = trainer.islands[0].evaluate
+    evaluate = trainer.islands[0].evaluate_metrics
     # The global model changes only at syncs (every step in dp, every H in diloco): evaluate at
     # the first sync at or after each multiple of `eval.every`, decided from the step alone so
     # a resumed run evaluates where an uninterrupted one would; always at the last step.
     sync_period = config.inner_steps if config.mode == "diloco" else 1
     every = config.eval.every
-    eval_loss, losses = None, None
+    eval_metrics: dict[str, float] = {}
+    losses = None
     t_log, step_log = time.perf_counter(), start_step
+    ring = ring_allreduce_bytes(config.num_learners, count_params(trainer.global_params()))
+
+    def traffic(step: int, syncs: int) -> int:
+        """Bytes all learners sent: a ring all-reduce every step (dp) or outer step (diloco)."""
+        return config.num_learners * ring * (step if config.mode == "dp" else syncs)
+
     try:
         for step in range(start_step + 1, end_step + 1):
+            _mark(timeline, "compiling" if step == start_step + 1 else "stepping", step)
             losses, synced = trainer.step(step)
+            if step == start_step + 1:  # the step that compiled: done only once it has run
+                jax.block_until_ready(losses)
             is_last = step == end_step
             previous_sync = (step - 1) // sync_period * sync_period
             crossed = bool(every) and step // every > previous_sync // every
             event: dict[str, Any] = {}
             if is_last or (synced and crossed):
-                eval_loss = evaluate(trainer.global_params(), val_batches)
-                event["eval_loss"] = eval_loss
+                jax.block_until_ready(losses)  # dispatched steps' compute is stepping time
+                _mark(timeline, "evaluating")
+                eval_metrics = evaluate(trainer.global_params(), val_batches)
+                # eval_loss, and eval_accuracy for classification (MoE: routing statistics).
+                event.update({f"eval_{k}": v for k, v in eval_metrics.items()})
             if step % config.log_every == 0 or is_last or event:
                 learner_losses = [float(x) for x in jax.device_get(losses)]
                 now = time.perf_counter()
@@ -130,15 +156,21 @@ def train_and_evaluate(
                         wall_s=progress.elapsed(),
                         tokens_per_s=tokens_per_s,
                         outer_syncs=trainer.syncs,
+                        # All learners so far; a ring all-reduce sends and receives as much.
+                        bytes_sent=traffic(step, trainer.syncs),
+                        bytes_received=traffic(step, trainer.syncs),
                         **event,
                     )
             if checkpoint_dir and (step % config.checkpoint.every == 0 or is_last):
+                jax.block_until_ready(losses)
+                _mark(timeline, "checkpointing")
                 trainer.save(step)
     finally:  # Even on an error, let started asynchronous saves finish.
         for checkpointer in trainer.checkpointers:
             checkpointer.close()
+    _mark(timeline, "done")
     if end_step == start_step:  # Nothing left to train: report the restored model.
-        eval_loss = evaluate(trainer.global_params(), val_batches)
+        eval_metrics = evaluate(trainer.global_params(), val_batches)
     params = jax.device_get(trainer.global_params())
     summary = {
         "mode": config.mode,
@@ -150,19 +182,71 @@ def train_and_evaluate(
         "tokens": end_step * tokens_per_step,
         "wall_s": time.perf_counter() - t_start,
         "train_wall_s": progress.elapsed(),
-        "final_eval_loss": eval_loss,
+        "final_eval_loss": eval_metrics.get("loss"),
         "final_train_loss": float(np.mean(jax.device_get(losses))) if losses else None,
         "outer_syncs": trainer.syncs,
         "params": count_params(params),
-        "corpus": {
-            "root": corpus.root,
-            "files": corpus.num_files,
-            "train_tokens": len(corpus.train_BN),
-            "val_tokens": len(corpus.val_BN),
-        },
+        "bytes_sent": traffic(end_step, trainer.syncs),
+        "bytes_received": traffic(end_step, trainer.syncs),
+        "dp_equivalent_bytes": config.num_learners * ring * end_step,
+        dataset.describe()[0]: dataset.describe()[1],
         "config": dataclasses.asdict(config),
     }
+    if trainer.islands[0].task.classification:
+        summary["final_eval_accuracy"] = eval_metrics.get("accuracy")
+    if timeline is not None:  # goodput and uptime, as every mode reports them
+        result = timeline_lib.analyze(timeline_lib.load(timeline.path.parent))
+        summary.update(goodput=result.goodput, uptime=result.uptime, lost_steps=result.lost_steps)
+        summary.update(failures_injected=0, recoveries=0, max_staleness=0)
+        timeline.close()
     if writer:
         writer.close()
         write_summary(workdir, summary)
     return RunResult(summary=summary, params=params)
+
+
+CHILD_ENV = "DD_CHAOS_CHILD"  # set by `supervisor.run_synchronous` in the process it runs
+
+
+def _timeline(
+    config: config_lib.ExperimentConfig,
+    workdir: pathlib.Path | None,
+    fresh: bool,
+    t_start: float,
+) -> timeline_lib.Timeline | None:
+    """The synchronous group's timeline (one file, every learner), or None without a workdir.
+
+    A run that is not supervised records its own start; a supervised one's supervisor did.
+    """
+    if workdir is None:
+        return None
+    directory = workdir / "timeline"
+    if fresh:
+        for stale in directory.glob("*.jsonl") if directory.exists() else []:
+            stale.unlink()
+    timeline = timeline_lib.Timeline(directory, "trainer", range(config.num_learners))
+    if fresh:
+        timeline.enter("starting", t=t_start)
+    return timeline
+
+
+def _mark(timeline: timeline_lib.Timeline | None, state: str, step: int = -1) -> None:
+    if timeline is not None:
+        timeline.enter(state, step)
+
+
+def _final_params(
+    config: config_lib.ExperimentConfig,
+    devices: Sequence[jax.Device],
+    corpus: Any,
+    workdir: pathlib.Path,
+) -> Params | None:
+    """The final global parameters of a supervised run, from its last checkpoint (if any)."""
+    if not config.checkpoint.every:
+        return None
+    dataset = tasks.load_dataset(config, corpus)
+    trainer = build_trainer(config, dataset, devices, workdir / "checkpoints")
+    trainer.restore()
+    for checkpointer in trainer.checkpointers:
+        checkpointer.close()
+    return jax.device_get(trainer.global_params())

@@ -29,15 +29,36 @@ from decoupled_diloco.model import Params, is_embedding
 PyTree = Any
 
 
-def slow_down(config: ExperimentConfig, learner: int, t_start: float, loss: jax.Array) -> None:
-    """Stretches learner `learner`'s step to `slowdown` times its length, if it is the slow one.
+def slow_down(
+    config: ExperimentConfig, learners: int | Sequence[int], t_start: float, loss: jax.Array
+) -> None:
+    """Stretches a step to `slowdown` times its length if one of `learners` is slow.
 
     A stand-in for older hardware: the step is finished, then the learner sleeps
-    (slowdown - 1) times as long as the step took.
+    (slowdown - 1) times as long as the step took. A learner is slow if it is
+    `config.slow_learner`, or while a fault schedule slows it (`chaos` controls).
     """
-    if learner == config.slow_learner and config.slowdown > 1:
+    ids = [learners] if isinstance(learners, int) else list(learners)
+    factor = max(
+        [config.slowdown if i == config.slow_learner else 1.0 for i in ids]
+        + [_chaos_slowdown(i) for i in ids]
+    )
+    if factor > 1:
         loss.block_until_ready()
-        time.sleep((config.slowdown - 1) * (time.perf_counter() - t_start))
+        time.sleep((factor - 1) * (time.perf_counter() - t_start))
+
+
+_CONTROLS: dict[int, Any] = {}
+
+
+def _chaos_slowdown(learner: int) -> float:
+    """The slow-down a fault schedule puts on `learner` now (1 without one)."""
+    if learner not in _CONTROLS:
+        from decoupled_diloco import chaos
+
+        _CONTROLS[learner] = chaos.Controls.from_env(learner)
+    controls = _CONTROLS[learner]
+    return controls.slowdown() if controls is not None else 1.0
 
 
 class DataParallelTrainer:
@@ -70,11 +91,13 @@ class DataParallelTrainer:
 
     def step(self, step: int) -> tuple[list[jax.Array], bool]:
         """One synchronous step; returns the loss (as a one-element list) and `synced=True`."""
-        batch = np.concatenate([next(it) for it in self.iterators])
+        parts = [next(it) for it in self.iterators]
+        # Leaf by leaf: a token array, or each array of an image batch dict.
+        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
         t_start = time.perf_counter()
         self.state, loss = self.island.step(self.state, batch)
         # Every learner's devices are in this one step: a slow learner slows all of them.
-        slow_down(self.config, self.config.slow_learner, t_start, loss)
+        slow_down(self.config, range(self.config.num_learners), t_start, loss)
         return [loss], True
 
     def global_params(self) -> Params:

@@ -19,6 +19,7 @@ from decoupled_diloco.cpu_devices import configure_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
+_HINTS = flags.DEFINE_bool("hints", True, "End with where the report is and what to try next.")
 
 
 def main(argv: list[str]) -> None:
@@ -34,12 +35,25 @@ def main(argv: list[str]) -> None:
     configure_cpu_devices(config.num_learners * config.devices_per_learner)
     from decoupled_diloco.train import train_and_evaluate
 
-    result = train_and_evaluate(config, _WORKDIR.value)
+    try:
+        result = train_and_evaluate(config, _WORKDIR.value)
+    except config_lib.ConfigError as error:  # e.g. too few devices: a message, not a traceback
+        raise app.UsageError(str(error)) from None
     s = result.summary
+    accuracy = s.get("final_eval_accuracy")
+    accuracy_text = f", accuracy {100 * accuracy:.1f}%" if accuracy is not None else ""
     print(
-        f"[{s['mode']}] done: final eval loss {s['final_eval_loss']:.4f} after {s['tokens']:,} "
-        f"tokens in {s['wall_s']:.0f}s; metrics and summary in {_WORKDIR.value}/"
+        f"[{s['mode']}] done: final eval loss {s['final_eval_loss']:.4f}{accuracy_text} after "
+        f"{s['tokens']:,} tokens in {s['wall_s']:.0f}s; metrics and summary in {_WORKDIR.value}/"
     )
+    from decoupled_diloco.report import next_steps, write_report
+
+    report = write_report(_WORKDIR.value)
+    if _HINTS.value:
+        config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+        print(next_steps(config, report, config_file), flush=True)
+    else:
+        print(f"Report: {report}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -11,9 +12,9 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from decoupled_diloco.comm import faulty_link, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
-from decoupled_diloco.comm import wire
 from decoupled_diloco.config import SyncerConfig
 from decoupled_diloco.fragments import TensorSpec
 
@@ -33,7 +34,8 @@ class SyncerClient:
 
     def __init__(self, address: str, config: SyncerConfig, token: str = ""):
         self.address, self.config = address, config
-        self.channel = wire.make_channel(address, config)
+        # Under a fault schedule, a learner's link is degraded here (`faulty_link`).
+        self.channel = faulty_link.wrap(wire.make_channel(address, config))
         self.stub = pb_grpc.SyncerStub(self.channel)
         # The data calls move pre-encoded chunks (see `wire.data_chunk`): raw bytes both ways.
         self._push = self.channel.stream_unary(
@@ -48,6 +50,11 @@ class SyncerClient:
         )
         self.metadata = ((wire.TOKEN_HEADER, token or wire.run_token(config)),)
         self.retries_done = 0
+        # Traffic of the data calls (encoded chunk bytes, headers included), all threads
+        # together; `last_bytes()` is the calling thread's last push or pull.
+        self.bytes_sent = self.bytes_received = 0
+        self._traffic_lock = threading.Lock()
+        self._local = threading.local()
 
     def close(self) -> None:
         """Closes the channel."""
@@ -97,18 +104,36 @@ class SyncerClient:
         return json.loads(reply.json)
 
     def push_chunks(
-        self, header: pb.PushHeader, arrays: Sequence[np.ndarray]
+        self, header: pb.PushHeader, arrays: Sequence[np.ndarray], sent: list[int] | None = None
     ) -> Callable[[], Iterator[bytes]]:
-        """A factory of the encoded chunk stream (a retry needs a fresh iterator)."""
+        """A factory of the encoded chunk stream (a retry needs a fresh iterator).
+
+        `sent[0]` (if given) adds up the bytes streamed; gRPC consumes the stream in its own
+        thread, so the count cannot be thread-local.
+        """
 
         def stream() -> Iterator[bytes]:
             for i, piece in enumerate(wire.chunk_arrays(arrays, self.config.chunk_bytes)):
                 if i == 0:
-                    yield pb.PushChunk(header=header, data=piece).SerializeToString()
+                    chunk = pb.PushChunk(header=header, data=piece).SerializeToString()
                 else:
-                    yield wire.data_chunk(wire.PUSH_DATA_TAG, piece)
+                    chunk = wire.data_chunk(wire.PUSH_DATA_TAG, piece)
+                self._count(sent=len(chunk))
+                if sent is not None:
+                    sent[0] += len(chunk)
+                yield chunk
 
         return stream
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._traffic_lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+        self._local.bytes = getattr(self._local, "bytes", 0) + received
+
+    def last_bytes(self) -> int:
+        """Bytes the calling thread's last `push` or `pull` moved (retries included)."""
+        return getattr(self._local, "last", 0)
 
     def push(
         self,
@@ -121,8 +146,13 @@ class SyncerClient:
         tokens: int,
         specs: Sequence[TensorSpec],
         arrays: Sequence[np.ndarray],
+        tensors: Sequence[pb.TensorHeader] | None = None,
     ) -> pb.PushReply:
-        """Streams one fragment's outer gradient; retried safely (idempotent per round)."""
+        """Streams one fragment's outer gradient; retried safely (idempotent per round).
+
+        Without `tensors`, `arrays` are the raw tensors; with them (`wire.headers` of a codec),
+        `arrays` are the encoded sections in wire order (`wire.encoded_arrays`).
+        """
         header = pb.PushHeader(
             learner_id=learner_id,
             fragment=fragment,
@@ -130,37 +160,77 @@ class SyncerClient:
             base_version=base_version,
             steps=steps,
             tokens=tokens,
-            tensors=wire.headers(specs),
+            tensors=wire.headers(specs) if tensors is None else tensors,
             total_bytes=sum(np.asarray(a).nbytes for a in arrays),
         )
-        stream = self.push_chunks(header, arrays)
-        return self._call(
-            lambda: self._push(stream(), timeout=self.config.rpc_timeout_s, metadata=self.metadata)
-        )
+        sent = [0]
+        stream = self.push_chunks(header, arrays, sent)
+        try:
+            return self._call(
+                lambda: self._push(
+                    stream(), timeout=self.config.rpc_timeout_s, metadata=self.metadata
+                )
+            )
+        finally:
+            self._local.last = sent[0]
 
     def pull(
-        self, learner_id: int, fragment: int, min_version: int, wait_s: float
+        self,
+        learner_id: int,
+        fragment: int,
+        min_version: int,
+        wait_s: float,
+        have: tuple[int, Sequence[np.ndarray]] | None = None,
     ) -> tuple[int, list[np.ndarray]]:
-        """The fragment once its version reaches `min_version`; (-1, []) if not within `wait_s`."""
+        """The fragment once its version reaches `min_version`; (-1, []) if not within `wait_s`.
+
+        `have` = (version, values) of the copy this learner holds: with a compressed downlink
+        the syncer may send the difference from it, which is added here. Either way the
+        result is the full fragment.
+        """
         request = pb.PullRequest(
-            learner_id=learner_id, fragment=fragment, min_version=min_version, wait_s=wait_s
+            learner_id=learner_id,
+            fragment=fragment,
+            min_version=min_version,
+            wait_s=wait_s,
+            has_copy=have is not None,
+            have_version=have[0] if have is not None else 0,
         )
 
         def call() -> tuple[int, list[np.ndarray]]:
             stream = self._pull(
                 request, timeout=wait_s + self.config.rpc_timeout_s, metadata=self.metadata
             )
-            first = pb.FragmentChunk.FromString(next(stream))
+            raw = next(stream)
+            self._count(received=len(raw))
+            first = pb.FragmentChunk.FromString(raw)
             if first.version < 0:
                 return -1, []
             pieces = [first.data]
             for raw in stream:
+                self._count(received=len(raw))
                 view = wire.parse_data_chunk(wire.PULL_DATA_TAG, raw)
                 pieces.append(view if view is not None else pb.FragmentChunk.FromString(raw).data)
             specs = [
                 TensorSpec(i, t.name, tuple(t.shape), t.dtype) for i, t in enumerate(first.tensors)
             ]
+            wire.check_headers(first.tensors, specs)
             # The syncer validated every push and merges finite values: no second scan here.
-            return first.version, wire.from_bytes(b"".join(pieces), specs, require_finite=False)
+            values = wire.decode_payload(b"".join(pieces), first.tensors, specs, False)
+            if first.delta:
+                if have is None or first.base_version != have[0]:
+                    raise wire.PayloadError(
+                        f"fragment {fragment}: a difference from version {first.base_version}, "
+                        f"but this learner holds {None if have is None else have[0]}"
+                    )
+                values = [
+                    (np.asarray(h, np.float32) + d).astype(h.dtype)
+                    for h, d in zip(have[1], values, strict=True)
+                ]
+            return first.version, values
 
-        return self._call(call)
+        self._local.bytes = 0
+        try:
+            return self._call(call)
+        finally:
+            self._local.last = self._local.bytes

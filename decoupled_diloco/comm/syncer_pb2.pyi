@@ -7,14 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "shape", "dtype")
+    __slots__ = ("name", "shape", "dtype", "scheme", "block_size", "format_version", "values_scheme", "topk_k", "payload_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SCHEME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VALUES_SCHEME_FIELD_NUMBER: _ClassVar[int]
+    TOPK_K_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    scheme: str
+    block_size: int
+    format_version: int
+    values_scheme: str
+    topk_k: int
+    payload_bytes: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., scheme: _Optional[str] = ..., block_size: _Optional[int] = ..., format_version: _Optional[int] = ..., values_scheme: _Optional[str] = ..., topk_k: _Optional[int] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("learner_id", "fingerprint", "mesh")
@@ -35,7 +47,7 @@ class RegisterReply(_message.Message):
     def __init__(self, num_fragments: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "step", "tokens", "loss", "state", "versions", "blocked_s", "step_time_s", "eval_loss")
+    __slots__ = ("learner_id", "step", "tokens", "loss", "state", "versions", "blocked_s", "step_time_s", "eval_loss", "bytes_sent", "bytes_received", "sync_rounds")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +57,9 @@ class HeartbeatRequest(_message.Message):
     BLOCKED_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     step: int
     tokens: int
@@ -54,7 +69,10 @@ class HeartbeatRequest(_message.Message):
     blocked_s: float
     step_time_s: float
     eval_loss: float
-    def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ...) -> None: ...
+    bytes_sent: int
+    bytes_received: int
+    sync_rounds: int
+    def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., sync_rounds: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("versions", "fastest_step_time_s")
@@ -115,27 +133,35 @@ class PushReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("learner_id", "fragment", "min_version", "wait_s")
+    __slots__ = ("learner_id", "fragment", "min_version", "wait_s", "has_copy", "have_version")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    HAS_COPY_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fragment: int
     min_version: int
     wait_s: float
-    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    has_copy: bool
+    have_version: int
+    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., has_copy: _Optional[bool] = ..., have_version: _Optional[int] = ...) -> None: ...
 
 class FragmentChunk(_message.Message):
-    __slots__ = ("fragment", "version", "tensors", "total_bytes", "data")
+    __slots__ = ("fragment", "version", "tensors", "total_bytes", "data", "delta", "base_version")
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     total_bytes: int
     data: bytes
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    delta: bool
+    base_version: int
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., delta: _Optional[bool] = ..., base_version: _Optional[int] = ...) -> None: ...

@@ -1,21 +1,25 @@
 """Wire format and transport settings shared by the syncer and its clients.
 
-A fragment travels as a list of `TensorHeader`s (name, shape, dtype) plus the tensors' raw
-bytes concatenated in that order, cut into chunks of `chunk_bytes` (~1 MiB: measured on
-loopback, smaller chunks cost throughput and one big message is slower still). Decoding checks
-every header against what the receiver expects before a byte is interpreted, so a malformed
-payload is refused with a message and never half-applied.
+A fragment travels as a list of `TensorHeader`s (name, shape, dtype, encoding, format version,
+byte count) plus the tensors' encoded bytes (`compression.layout`) concatenated in that order,
+cut into chunks of `chunk_bytes` (~1 MiB: measured on loopback, smaller chunks cost throughput
+and one big message is slower still). Decoding checks every header against what the receiver
+expects before a byte is interpreted, and every decoded tensor before any is returned, so a
+malformed payload is refused with a message and never half-applied.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 
 import grpc
 import numpy as np
 
+from decoupled_diloco import compression
 from decoupled_diloco.comm import syncer_pb2 as pb
+from decoupled_diloco.compression import Codec
 from decoupled_diloco.config import SyncerConfig
 from decoupled_diloco.fragments import TensorSpec
 
@@ -64,9 +68,41 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def headers(specs: Sequence[TensorSpec]) -> list[pb.TensorHeader]:
-    """Protobuf headers of a fragment's tensors."""
-    return [pb.TensorHeader(name=s.name, shape=list(s.shape), dtype=s.dtype) for s in specs]
+_RAW = Codec("none")
+
+
+def headers(specs: Sequence[TensorSpec], codec: Codec = _RAW) -> list[pb.TensorHeader]:
+    """Protobuf headers of a fragment's tensors, all encoded with `codec` (default: raw)."""
+    return [
+        pb.TensorHeader(
+            name=s.name,
+            shape=list(s.shape),
+            dtype=s.dtype,
+            scheme=codec.scheme,
+            block_size=codec.block_size,
+            format_version=compression.FORMAT_VERSION,
+            values_scheme=codec.values,
+            topk_k=codec.k,
+            payload_bytes=compression.nbytes(codec, math.prod(s.shape), s.dtype),
+        )
+        for s in specs
+    ]
+
+
+def codec_of(header: pb.TensorHeader) -> Codec:
+    """The codec a header describes (unchecked; see `check_headers`)."""
+    return Codec(header.scheme, header.block_size, header.values_scheme, header.topk_k)
+
+
+def encoded_arrays(
+    sections: Sequence[dict[str, np.ndarray]], specs: Sequence[TensorSpec], codec: Codec
+) -> list[np.ndarray]:
+    """The arrays to send for encoded tensors (`compression.encode` sections), in wire order."""
+    return [
+        np.asarray(a)
+        for s, spec in zip(sections, specs, strict=True)
+        for a in compression.flatten_sections(s, codec, math.prod(spec.shape))
+    ]
 
 
 def to_bytes(arrays: Sequence[np.ndarray]) -> bytes:
@@ -143,8 +179,13 @@ def chunks(payload: bytes | memoryview, chunk_bytes: int) -> Iterator[memoryview
 def check_headers(got: Sequence[pb.TensorHeader], want: Sequence[TensorSpec]) -> int:
     """Checks a payload's headers against the expected specs; returns the expected byte count.
 
+    Every field is checked: name, shape and dtype against the registered model; the format
+    version; the encoding (a known scheme with consistent block size, value scheme and k);
+    and each tensor's byte count against what its encoding of its shape takes.
+
     Raises:
-      PayloadError: a missing, extra, renamed, reshaped or retyped tensor.
+      PayloadError: a missing, extra, renamed, reshaped or retyped tensor, an unknown format
+        version or encoding, or an inconsistent byte count.
     """
     if len(got) != len(want):
         raise PayloadError(f"expected {len(want)} tensors, got {len(got)}")
@@ -157,36 +198,79 @@ def check_headers(got: Sequence[pb.TensorHeader], want: Sequence[TensorSpec]) ->
             )
         if header.dtype != spec.dtype:
             raise PayloadError(f"{spec.name}: expected dtype {spec.dtype}, got {header.dtype}")
-    return sum(s.nbytes for s in want)
+        if header.format_version != compression.FORMAT_VERSION:
+            raise PayloadError(
+                f"{spec.name}: payload format version {header.format_version} is not supported "
+                f"(this build reads version {compression.FORMAT_VERSION})"
+            )
+        codec = codec_of(header)
+        try:
+            codec.check()
+        except compression.CodecError as error:
+            raise PayloadError(f"{spec.name}: {error}") from None
+        need = compression.nbytes(codec, math.prod(spec.shape), spec.dtype)
+        if header.payload_bytes != need:
+            raise PayloadError(
+                f"{spec.name}: header says {header.payload_bytes} bytes, {codec.scheme} "
+                f"encoding of shape {spec.shape} takes {need}"
+            )
+    return sum(h.payload_bytes for h in got)
 
 
 def from_bytes(
     payload: bytes, specs: Sequence[TensorSpec], require_finite: bool = True
 ) -> list[np.ndarray]:
-    """Splits a checked payload back into arrays: read-only views on `payload`, no copies.
+    """Splits a raw (scheme "none") payload into arrays: read-only views, no copies.
 
     Raises:
       PayloadError: wrong total size, or (with `require_finite`) a NaN or infinity.
     """
-    expected = sum(s.nbytes for s in specs)
+    return decode_payload(payload, headers(specs), specs, require_finite)
+
+
+def decode_payload(
+    payload: bytes | memoryview,
+    tensors: Sequence[pb.TensorHeader],
+    specs: Sequence[TensorSpec],
+    require_finite: bool = True,
+) -> list[np.ndarray]:
+    """Decodes a payload whose headers passed `check_headers` into arrays of the specs' dtypes.
+
+    Raw tensors (scheme "none") are read-only views on `payload`; the rest are decoded
+    (`compression.decode`, which also checks their content). Nothing is returned unless every
+    tensor decodes, so a bad payload is never half-applied.
+
+    Raises:
+      PayloadError: wrong total or per-tensor size, content no encoder would produce, or
+        (with `require_finite`) a NaN or infinity.
+    """
+    expected = sum(h.payload_bytes for h in tensors)
     if len(payload) != expected:
         raise PayloadError(f"payload has {len(payload)} bytes, headers describe {expected}")
     arrays, offset = [], 0
-    for spec in specs:
-        dtype = np.dtype(spec.dtype).newbyteorder("<")
-        flat = np.frombuffer(
-            payload, dtype=dtype, count=spec.nbytes // dtype.itemsize, offset=offset
-        )
-        array = flat.reshape(spec.shape).astype(np.dtype(spec.dtype), copy=False)
-        # One cheap pass (a sum is NaN/inf if any element is); the exact check only on alarm,
-        # so a huge-but-finite tensor whose sum overflows is still accepted.
-        if require_finite:
-            with np.errstate(over="ignore", invalid="ignore"):
-                alarm = not np.isfinite(array.sum())
-            if alarm and not np.isfinite(array).all():
-                raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
-        arrays.append(array)
-        offset += spec.nbytes
+    for header, spec in zip(tensors, specs, strict=True):
+        codec, n = codec_of(header), math.prod(spec.shape)
+        sections, at = {}, offset
+        for name, dtype, count in compression.layout(codec, n, spec.dtype):
+            dtype = dtype.newbyteorder("<")
+            sections[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=at)
+            at += count * dtype.itemsize
+        if codec.scheme == "none":
+            flat = sections["values"]
+            # One cheap pass (a sum is NaN/inf if any element is); the exact check only on
+            # alarm, so a huge-but-finite tensor whose sum overflows is still accepted.
+            if require_finite:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    alarm = not np.isfinite(flat.sum())
+                if alarm and not np.isfinite(flat).all():
+                    raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
+        else:
+            try:
+                flat = compression.decode(sections, n, codec)
+            except compression.CodecError as error:
+                raise PayloadError(f"{spec.name}: {codec.scheme} payload: {error}") from None
+        arrays.append(flat.reshape(spec.shape).astype(np.dtype(spec.dtype), copy=False))
+        offset += header.payload_bytes
     return arrays
 
 

@@ -1,0 +1,165 @@
+"""A degraded learner <-> syncer link, in our own transport layer (no root, no `tc`).
+
+`wrap(channel)` puts a client interceptor on a learner's gRPC channel when the process runs
+under a fault schedule (`$DD_CHAOS_DIR` and `$DD_CHAOS_LEARNER` set by the launcher). The
+interceptor reads the learner's control file (`chaos.Controls`) on every call, so a link fault
+starts and ends while the learner runs:
+
+  * `latency_s`: added to every call (half before the request, half after the reply);
+  * `bandwidth_mbps`: the streamed chunks of a push or a pull are paced to this rate;
+  * `drop`: this share of calls fails with UNAVAILABLE, as a lost packet would surface: half
+    before the request reaches the syncer, half after the syncer handled it and the reply was
+    lost. The client retries both; the second kind re-sends work the syncer already has, which
+    its per-(learner, fragment, round) idempotency must not count twice.
+
+Drops are drawn from a generator seeded by the schedule's seed and the learner id.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from decoupled_diloco import chaos
+
+
+class DroppedCall(grpc.RpcError, grpc.Call):
+    """The error a dropped call raises: UNAVAILABLE, which the client retries."""
+
+    def __init__(self, where: str):
+        super().__init__(f"call dropped by the chaos link ({where})")
+        self.where = where
+
+    def code(self) -> grpc.StatusCode:  # noqa: D102
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:  # noqa: D102
+        return f"dropped by the chaos link ({self.where})"
+
+    # grpc.Call / RpcContext surface, so that callers treat it as any failed call.
+    def initial_metadata(self) -> tuple:  # noqa: D102
+        return ()
+
+    def trailing_metadata(self) -> tuple:  # noqa: D102
+        return ()
+
+    def is_active(self) -> bool:  # noqa: D102
+        return False
+
+    def time_remaining(self) -> float | None:  # noqa: D102
+        return None
+
+    def cancel(self) -> bool:  # noqa: D102
+        return False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:  # noqa: D102
+        return False
+
+
+class DegradedLink(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+):
+    """Adds latency, caps bandwidth and drops calls as the control file says.
+
+    Args:
+      controls: the learner's live fault controls.
+      learner: the learner id (seeds the drops).
+    """
+
+    def __init__(self, controls: chaos.Controls, learner: int):
+        self.controls, self.learner = controls, learner
+        self._rng: random.Random | None = None
+        self._lock = threading.Lock()
+        self.dropped = {"request": 0, "reply": 0}
+
+    def _values(self) -> dict[str, Any]:
+        values = self.controls.get()
+        if self._rng is None and values:
+            self._rng = random.Random(f"{values.get('seed', 0)}:link:{self.learner}")
+        return values
+
+    def _drop(self, values: dict[str, Any]) -> str:
+        """'' (deliver), 'request' or 'reply': which side of this call is lost."""
+        share = float(values.get("drop", 0.0))
+        if share <= 0 or self._rng is None:
+            return ""
+        with self._lock:
+            if self._rng.random() >= share:
+                return ""
+            where = "request" if self._rng.random() < 0.5 else "reply"
+            self.dropped[where] += 1
+            return where
+
+    def _pace(self, values: dict[str, Any], nbytes: int) -> None:
+        rate = float(values.get("bandwidth_mbps", 0.0))
+        if rate > 0:
+            time.sleep(nbytes * 8 / (rate * 1e6))
+
+    def _delay(self, values: dict[str, Any]) -> None:
+        latency = float(values.get("latency_s", 0.0))
+        if latency > 0:
+            time.sleep(latency / 2)
+
+    def _unary_reply(self, continuation: Callable, details: Any, request: Any) -> Any:
+        values = self._values()
+        drop = self._drop(values)
+        self._delay(values)
+        if drop == "request":
+            raise DroppedCall("request")
+        outcome = continuation(details, request)
+        outcome.result()  # raises the call's own error, if any
+        self._delay(values)
+        if drop == "reply":
+            raise DroppedCall("reply")
+        return outcome
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: D102
+        return self._unary_reply(continuation, client_call_details, request)
+
+    def intercept_stream_unary(  # noqa: D102
+        self, continuation, client_call_details, request_iterator
+    ):
+        values = self._values()
+
+        def paced() -> Iterator[Any]:
+            for chunk in request_iterator:
+                self._pace(values, len(chunk) if isinstance(chunk, bytes | bytearray) else 0)
+                yield chunk
+
+        return self._unary_reply(continuation, client_call_details, paced())
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: D102
+        values = self._values()
+        drop = self._drop(values)
+        self._delay(values)
+        if drop == "request":
+            raise DroppedCall("request")
+        stream = continuation(client_call_details, request)
+
+        def replies() -> Iterator[Any]:
+            for raw in stream:
+                self._pace(values, len(raw) if isinstance(raw, bytes | bytearray) else 0)
+                yield raw
+            self._delay(values)
+            if drop == "reply":
+                raise DroppedCall("reply")
+
+        return replies()
+
+
+def wrap(channel: grpc.Channel) -> grpc.Channel:
+    """`channel` with a `DegradedLink` when this process runs under a fault schedule."""
+    controls = chaos.Controls.from_env()
+    if controls is None:
+        return channel
+    return grpc.intercept_channel(
+        channel, DegradedLink(controls, int(os.environ[chaos.LEARNER_ENV]))
+    )

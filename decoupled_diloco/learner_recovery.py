@@ -1,0 +1,353 @@
+"""A learner's recovery: Orbax checkpoints, the data journal, and pushes that survive outages.
+
+Checkpoint (every `checkpoint.every` steps and at the last step, asynchronous): the inner
+state (parameters and inner optimizer state), every `Learner.checkpoint_items()` pytree (the
+error-feedback residual), and JSON metadata: step, tokens, the data iterator's state and
+position, per-fragment versions, rounds and counters, and the recovery counters below.
+
+Restart (`restore`): the newest readable checkpoint is restored (an unreadable one is skipped,
+see `IslandCheckpointer`), newer ones are discarded so that saving can go on; then the learner
+takes the current global fragments and versions from the syncer (it pulled them in `connect`),
+overwriting the restored parameters, and starts its per-fragment counters and rounds afresh
+(a re-registration is a new incarnation at the syncer).
+
+The data rule: a learner never trains on a batch twice, and skips none silently. Every batch
+drawn bumps `data_position`, which is written to a small journal file next to the checkpoints
+after each draw (a write to the page cache: it survives the process being killed). A restart
+restores the iterator to the checkpointed position and then draws and discards the batches up
+to the journal's position: the batches of the steps done after the last checkpoint, whose
+work is lost with the process. Their data is skipped, not replayed (part of that work reached
+the syncer in pushes made after the checkpoint, so training on it again would count it twice);
+the skip is logged and counted (`skipped_batches`, `lost_steps` in the learner's summary).
+
+Outages: a push that cannot be delivered (the syncer or its shard is down) is retried with
+jittered exponential backoff (capped at 5 s) while the learner keeps stepping. Undelivered
+pushes are bounded per fragment: a newer push of the same fragment anchored at the same
+version carries the older one's progress (Δ = anchor − θ covers every step since the anchor),
+so an uncompressed older push that is not mid-attempt is folded into it (its step and token
+counts added) and never sent. Compressed pushes (whose error feedback already counted them as
+sent) and pushes anchored at different versions are kept, at most `syncer.max_unsent` per
+fragment waiting between attempts (plus those mid-attempt, at most one per sender thread);
+past the bound the oldest waiting one is dropped, logged and counted (`pushes_dropped`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+import jax
+import numpy as np
+
+from decoupled_diloco import fragments as F
+from decoupled_diloco.checkpointing import IslandCheckpointer
+from decoupled_diloco.comm.client import RETRYABLE
+
+T = TypeVar("T")
+
+
+def use_compile_cache(default: pathlib.Path) -> None:
+    """Turns on JAX's persistent compilation cache (at `default` unless the environment names one).
+
+    A restarted learner then loads its compiled step instead of compiling it again. Call before
+    the first compilation; the `JAX_*` environment variables (the Makefile sets them) win.
+    """
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(default))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def process_start_time() -> float:
+    """This process's start as a Unix time (Linux /proc; else now)."""
+    try:
+        ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in pathlib.Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+_PHASES = (
+    ("constructing", "imports"),
+    ("connected", "build+connect"),
+    ("data_loaded", "data"),
+    ("restored", "restore or init"),
+    ("first_step", "first step"),
+)
+
+
+def startup_line(times: dict[str, float]) -> str:
+    """'first step 4.1 s after the process started: imports 2.0 s, ...' from wall times."""
+    parts, last = [], times["process_start"]
+    for key, label in _PHASES:
+        if key in times:
+            parts.append(f"{label} {times[key] - last:.2f} s")
+            last = times[key]
+    total = times.get("first_step", last) - times["process_start"]
+    return f"first step {total:.2f} s after the process started: " + ", ".join(parts)
+
+
+class DataJournal:
+    """The number of batches a learner has drawn, rewritten in place after every draw."""
+
+    def __init__(self, path: pathlib.Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def read(self) -> int:
+        """The last position written (0 for a new journal)."""
+        text = os.pread(self._fd, 64, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else 0
+
+    def write(self, position: int) -> None:
+        """Records `position` (fixed width: one small write, no truncation)."""
+        os.pwrite(self._fd, f"{position:>20}\n".encode(), 0)
+
+    def close(self) -> None:
+        """Closes the file."""
+        os.close(self._fd)
+
+
+def _abstract(tree: Any) -> Any:
+    """A restore target with the shapes, dtypes and shardings of `tree`'s arrays."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return np.asarray(x)
+
+    return jax.tree.map(leaf, tree)
+
+
+class LearnerCheckpoints:
+    """Checkpoints, restore and the data journal of one learner (see the module doc).
+
+    Args:
+      directory: this learner's checkpoint directory; the journal is `directory.progress`.
+      every: steps between checkpoints (the last step is always saved).
+      max_to_keep: newest checkpoints kept.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, every: int, max_to_keep: int = 3):
+        directory = pathlib.Path(directory).absolute()
+        self.every = every
+        self.checkpointer = IslandCheckpointer(directory, max_to_keep)
+        self.journal = DataJournal(directory.with_name(directory.name + ".progress"))
+        self.save_s = 0.0
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether to checkpoint after `step`."""
+        return step % self.every == 0 or step == last_step
+
+    def drew(self, position: int) -> None:
+        """Records that `position` batches have been drawn (call after each draw)."""
+        self.journal.write(position)
+
+    def save(self, learner: Any, state: Any, batches: Any) -> None:
+        """Starts an asynchronous checkpoint of `learner` after its current step."""
+        t0 = time.perf_counter()
+        meta = {
+            "step": learner.step,
+            "tokens": learner.tokens,
+            "data": batches.get_state(),
+            "data_position": learner.data_position,
+            "versions": list(learner.versions),
+            "rounds": list(learner.rounds),
+            "steps_since": list(learner.steps_since),
+            "tokens_since": list(learner.tokens_since),
+            "skipped_batches": learner.skipped_batches,
+            "lost_steps": learner.lost_steps,
+            "restarts": learner.restarts,
+            "wall_time": time.time(),
+        }
+        self.checkpointer.save(learner.step, {"inner": state, **learner.checkpoint_items()}, meta)
+        self.save_s += time.perf_counter() - t0
+
+    def restore(self, learner: Any, init: Callable[[], Any], batches: Any) -> Any:
+        """Restores the newest readable checkpoint into `learner` and `batches`.
+
+        Returns:
+          The inner state to train on: the restored one, else `init()` (a fresh start, or no
+          readable checkpoint). The caller then overwrites its parameters with the syncer's
+          global fragments.
+        """
+        drawn = self.journal.read()
+        items = learner.checkpoint_items()
+        target = {"inner": learner.island.abstract_state, **_abstract(items)}
+        found = self.checkpointer.restore_latest(target)
+        step = found[0] if found else 0
+        self.checkpointer.discard_after(step)
+        if found is None:
+            state = init()
+        else:
+            _, tree, meta = found
+            state = tree["inner"]
+            for name in items:
+                setattr(learner, name, tree[name])
+            batches.set_state(meta["data"])
+            learner.step, learner.tokens = meta["step"], meta["tokens"]
+            learner.data_position = meta["data_position"]
+            learner.skipped_batches = meta["skipped_batches"]
+            learner.lost_steps = meta["lost_steps"]
+            learner.restarts = meta["restarts"] + 1
+            learner.restored_from_step = step
+        if found is None and drawn:
+            learner.restarts = 1  # killed before its first checkpoint
+        skip = max(drawn - learner.data_position, 0)
+        for _ in range(skip):  # the batches of the lost steps: skipped, never replayed
+            next(batches)
+        learner.data_position += skip
+        learner.skipped_batches += skip
+        learner.lost_steps += skip
+        self.journal.write(learner.data_position)
+        if found is not None or skip:
+            what = f"restored step {step}" if found is not None else "no checkpoint yet"
+            print(
+                f"[learner {learner.id}] {what} (restart {learner.restarts}); {skip} batches "
+                f"drawn after it were skipped with their lost steps (data position "
+                f"{learner.data_position})",
+                flush=True,
+            )
+        return state
+
+    def close(self) -> None:
+        """Waits for pending saves; closes the journal."""
+        self.checkpointer.close()
+        self.journal.close()
+
+
+def reschedule(step: int, num_fragments: int, inner_steps: int) -> list[int]:
+    """Each fragment's next due step after `step` on the staggered schedule."""
+    due = []
+    for p in range(num_fragments):
+        first = F.offset(p, num_fragments, inner_steps)
+        due.append(
+            first if step < first else first + ((step - first) // inner_steps + 1) * inner_steps
+        )
+    return due
+
+
+@dataclasses.dataclass(eq=False)
+class Unsent:
+    """An undelivered push of one fragment (its payload stays with its sender)."""
+
+    fragment: int
+    base: int
+    steps: int
+    tokens: int
+    foldable: bool  # an uncompressed outer gradient: a newer one at the same base contains it
+    attempting: bool = False
+    superseded: bool = False
+    dropped: bool = False
+
+
+class Outbox:
+    """Undelivered pushes per fragment, bounded (see the module doc).
+
+    Args:
+      num_fragments: P.
+      bound: undelivered pushes kept per fragment before the oldest is dropped.
+      name: for log lines.
+    """
+
+    def __init__(self, num_fragments: int, bound: int, name: str = "learner"):
+        self.bound, self.name = bound, name
+        self.lock = threading.Lock()
+        self.pending: list[list[Unsent]] = [[] for _ in range(num_fragments)]
+        self.folded = self.dropped = 0
+
+    def add(self, p: int, base: int, steps: int, tokens: int, foldable: bool) -> Unsent:
+        """Registers a new push of fragment p; folds or drops older undelivered ones."""
+        ticket = Unsent(p, base, steps, tokens, foldable)
+        with self.lock:
+            for older in self.pending[p]:
+                if foldable and older.foldable and older.base == base and not older.attempting:
+                    older.superseded = True
+                    ticket.steps += older.steps
+                    ticket.tokens += older.tokens
+                    self.folded += 1
+            self.pending[p] = [x for x in self.pending[p] if not x.superseded]
+            # Only pushes waiting between attempts count (one mid-attempt may be delivered).
+            while len(waiting := [x for x in self.pending[p] if not x.attempting]) >= self.bound:
+                oldest = waiting[0]
+                self.pending[p] = [x for x in self.pending[p] if x is not oldest]
+                oldest.dropped = True
+                self.dropped += 1
+                print(
+                    f"[{self.name}] fragment {p}: {self.bound} pushes undelivered; dropped the "
+                    f"oldest ({oldest.steps} steps anchored at version {oldest.base})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.pending[p].append(ticket)
+        return ticket
+
+    def unsent(self) -> int:
+        """Pushes not delivered yet."""
+        with self.lock:
+            return sum(len(x) for x in self.pending)
+
+    def deliver(self, ticket: Unsent, send: Callable[[], T], stop: threading.Event) -> T | None:
+        """Calls `send` until it succeeds, retrying while the syncer is unreachable.
+
+        Returns:
+          The reply, or None when the push was folded into a newer one, dropped, or `stop`
+          was set first (the learner is shutting down).
+
+        Raises:
+          grpc.RpcError: a refusal that no retry can fix.
+        """
+        delay = 0.2
+        try:
+            while True:
+                with self.lock:
+                    if ticket.superseded or ticket.dropped:
+                        return None
+                    ticket.attempting = True
+                try:
+                    return send()
+                except grpc.RpcError as error:
+                    if error.code() not in RETRYABLE:
+                        raise
+                finally:
+                    with self.lock:
+                        ticket.attempting = False
+                if stop.wait(delay * (0.5 + random.random())):
+                    return None
+                delay = min(2 * delay, 5.0)
+        finally:
+            with self.lock:
+                p = ticket.fragment
+                self.pending[p] = [x for x in self.pending[p] if x is not ticket]
+
+
+def retrying(call: Callable[[], T], stop: threading.Event) -> T | None:
+    """`call()`, retried with backoff while the syncer is unreachable; None once `stop` is set."""
+    delay = 0.2
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as error:
+            if error.code() not in RETRYABLE:
+                raise
+        if stop.wait(delay * (0.5 + random.random())):
+            return None
+        delay = min(2 * delay, 5.0)

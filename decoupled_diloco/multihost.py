@@ -1,0 +1,318 @@
+r"""Multi-process islands: one learner run as P processes on JAX's multi-controller runtime.
+
+  # on each of the P hosts of island 0 (process_id 0..P-1; process 0 is the leader):
+  DD_RUN_TOKEN=secret python -m decoupled_diloco.learner --syncer=SYNCER:50051 \
+      --learner_id=0 --coordinator=HOST0:8476 --num_processes=2 --process_id=$I \
+      --config=experiments/configs/tiny_lm.py --config.mode=decoupled
+
+The processes of an island call `jax.distributed.initialize` and so form one JAX program: one
+global mesh over all their devices (`jax.devices()`), the same jit-compiled inner step run by
+every process on its own devices (XLA's collectives span processes; on CPU they use gloo). Every
+process reads the same data stream and places only its own rows of each batch.
+
+Only the leader (process 0) talks to the syncer. Everything that must stay identical across the
+processes goes through the island's own collectives, at points every process reaches in the same
+order:
+
+- start: the leader pulls the global fragments; `broadcast_one_to_all` gives them to the rest;
+- every step boundary: the leader decides which merged fragments are applied now (a vector of
+  versions, broadcast), then broadcasts their values; every process applies the same ones;
+- a push: every process joins a `process_allgather` of the fragment (the leader needs the host
+  values; the others discard them); the leader's background thread pushes and pulls.
+
+So after each merge the processes hold identical parameters. The schedule itself must be known
+to every process without asking the syncer, which rules out dynamic local updates (they follow
+the fastest learner's step time, which only the leader hears).
+
+Failures: losing any process takes the whole island down. A peer blocked in a collective with a
+dead process gets an error, and JAX's coordination service aborts every task of the island once
+a heartbeat is missed for `heartbeat_timeout_s`. The island is then restarted as a whole (all P
+processes, by the launcher, Kubernetes or the operator) and rejoins like a restarted
+single-process learner: it registers again and takes the current global fragments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pathlib
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from decoupled_diloco import fragments as F
+from decoupled_diloco.config import ConfigError, ExperimentConfig
+from decoupled_diloco.island import InnerState
+from decoupled_diloco.learner import Inbound, Learner
+
+# Seconds without a heartbeat before the coordination service declares a process dead and
+# aborts the island's other processes (JAX's default is 100 s, slow for a failure test).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """Where this process sits in its island.
+
+    Attributes:
+      coordinator: HOST:PORT of the island's JAX coordination service (run by process 0).
+      num_processes: P, the island's processes.
+      process_id: this process, 0..P-1; 0 is the leader.
+    """
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+
+    def __post_init__(self):
+        if self.num_processes < 1:
+            raise ValueError(f"--num_processes must be >= 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"--process_id must be in [0, {self.num_processes}), got {self.process_id}"
+            )
+        if self.num_processes > 1:
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"--coordinator must be HOST:PORT of the island's process 0, "
+                    f"got {self.coordinator!r}"
+                )
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process talks to the syncer."""
+        return self.process_id == 0
+
+
+def local_device_count(total_devices: int, num_processes: int) -> int:
+    """Devices each process contributes to an island mesh of `total_devices`.
+
+    Raises:
+      ValueError: the mesh does not split evenly over the processes.
+    """
+    if total_devices % num_processes:
+        raise ValueError(
+            f"the island's mesh has {total_devices} devices, which does not split evenly over "
+            f"{num_processes} processes"
+        )
+    return total_devices // num_processes
+
+
+def initialize(group: ProcessGroup, heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S) -> None:
+    """Joins this process to its island's JAX runtime; a no-op for a one-process island.
+
+    Must run before JAX initialises a backend. Selects gloo for cross-process collectives on
+    CPU (the setting only affects the CPU backend, so it is harmless on GPU/TPU).
+    """
+    if group.num_processes == 1:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=group.coordinator,
+        num_processes=group.num_processes,
+        process_id=group.process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+    )
+
+
+def put_global(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A global array from a host value every process holds in full.
+
+    Each process fills only its addressable shards; correct in a single process too.
+    """
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def to_host(leaves: Sequence[jax.Array]) -> list[np.ndarray]:
+    """Full host copies of global arrays. A collective: every process must call it."""
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return [np.asarray(x) for x in jax.device_get(list(leaves))]
+    gathered = multihost_utils.process_allgather(list(leaves), tiled=True)
+    return [np.asarray(x) for x in gathered]
+
+
+def broadcast(tree: Any) -> Any:
+    """Process 0's value of a host pytree, on every process. A collective."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+class MultihostLearner(Learner):
+    """A learner whose island spans every process of this JAX runtime.
+
+    Args:
+      config: the experiment; `dynamic_local_updates` must be off.
+      learner_id: this island's index at the syncer.
+      address: HOST:PORT of the syncer (used by the leader only).
+      group: this process's place in the island.
+      mesh_shape: (`data`, `model`) over all the island's devices (`jax.device_count()`).
+      slowdown, token: as for `Learner`.
+      workdir: as for `Learner`; with checkpoints on, every process of the island must see the
+        same directory (shared storage across hosts): Orbax writes the checkpoint collectively.
+
+    Raises:
+      ConfigError: dynamic local updates are on (the step schedule would diverge).
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        learner_id: int,
+        address: str,
+        group: ProcessGroup,
+        mesh_shape: tuple[int, int] | None = None,
+        slowdown: float = 1.0,
+        token: str = "",
+        workdir: str | pathlib.Path | None = None,
+    ):
+        if config.decoupled.dynamic_local_updates:
+            raise ConfigError(
+                "decoupled.dynamic_local_updates is not supported on multi-process islands: "
+                "only the leader hears the fastest learner's step time"
+            )
+        if group.num_processes != jax.process_count():
+            raise ValueError(
+                f"--num_processes={group.num_processes} but this JAX runtime has "
+                f"{jax.process_count()} processes (call multihost.initialize first)"
+            )
+        self.group = group
+        # (step, fragment, version, digest of this process's shards) after each merge: equal
+        # across the processes of an island whose processes differ only along the data axis.
+        self.merge_digests: list[list[Any]] = []
+        self._merged_now: list[int] = []
+        super().__init__(
+            config,
+            learner_id,
+            address,
+            devices=jax.devices(),
+            mesh_shape=mesh_shape,
+            slowdown=slowdown,
+            token=token,
+            workdir=workdir,
+        )
+        if not group.is_leader:
+            self.timeline = None  # the leader's timeline is the island's
+        if self.checkpoints is not None:
+            # A restart must skip the same batches on every process: the leader's journal rules.
+            self.checkpoints.journal = _AgreedJournal(self.checkpoints.journal, group.is_leader)
+
+    # Device <-> host: collective, every process takes part. --------------------------------
+
+    def _to_host(self, leaves: Sequence[jax.Array]) -> list[np.ndarray]:
+        return to_host(leaves)
+
+    def _place(self, value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+        return put_global(value, sharding)
+
+    def _batch(self, batch: Any) -> Any:
+        # Every process reads the same stream; each places only its own rows.
+        return jax.tree.map(lambda x: put_global(x, self.island.batch_sharding), batch)
+
+    # The syncer link: the leader's only. -----------------------------------------------------
+
+    def connect(self, timeout_s: float = 120.0, peers_s: float = 60.0) -> None:
+        """The leader connects and pulls; every process receives the global fragments."""
+        if self.group.is_leader:
+            super().connect(timeout_s, peers_s)
+        else:
+            self.anchor = [[np.zeros(s.shape, s.dtype) for s in frag] for frag in self.cut]
+        self.anchor, versions = broadcast((self.anchor, np.asarray(self.versions, np.int32)))
+        self.anchor = [[np.asarray(x) for x in frag] for frag in self.anchor]
+        self.versions = [int(v) for v in versions]
+
+    def _sync(self, *args: Any, **kwargs: Any) -> None:
+        if self.group.is_leader:
+            super()._sync(*args, **kwargs)
+            return
+        # Not ours to send: settle the push's outbox entry at once, so that nothing piles up.
+        ticket = (
+            inspect.signature(Learner._sync).bind(self, *args, **kwargs).arguments.get("ticket")
+        )
+        if ticket is not None:
+            self.outbox.deliver(ticket, lambda: None, self.stop)
+
+    def _heartbeat(self, state: str) -> None:
+        if self.group.is_leader:
+            super()._heartbeat(state)
+
+    def _take_ready(self) -> dict[int, Inbound]:
+        """The leader's ready merges, agreed by every process (two broadcasts)."""
+        ready = super()._take_ready() if self.group.is_leader else {}
+        versions = np.full(len(self.cut), -1, np.int32)
+        for p, inbound in ready.items():
+            versions[p] = inbound.version
+        versions = broadcast(versions)
+        chosen = [p for p in range(len(self.cut)) if versions[p] >= 0]
+        if not chosen:
+            return {}
+        values = [
+            ready[p].values
+            if self.group.is_leader
+            else [np.zeros(s.shape, s.dtype) for s in self.cut[p]]
+            for p in chosen
+        ]
+        values = broadcast(values)
+        self._merged_now = chosen
+        return {
+            p: Inbound(int(versions[p]), [np.asarray(x) for x in vals], 0)
+            for p, vals in zip(chosen, values, strict=True)
+        }
+
+    def _apply_arrivals(self, state: InnerState) -> InnerState:
+        self._merged_now = []
+        state = super()._apply_arrivals(state)
+        if self._merged_now:
+            leaves = self.treedef.flatten_up_to(state.params)
+            for p in self._merged_now:
+                digest = shard_digest(F.gather(leaves, self.cut[p]))
+                self.merge_digests.append([self.step, p, self.versions[p], digest])
+        return state
+
+    def run(self) -> dict[str, Any]:
+        """Trains like `Learner.run`; the summary adds this process's place and merge digests."""
+        summary = super().run()
+        summary.update(
+            process_id=self.group.process_id,
+            num_processes=self.group.num_processes,
+            merge_digests=self.merge_digests,
+        )
+        return summary
+
+
+class _AgreedJournal:
+    """A data journal that only the leader writes and whose reading every process shares."""
+
+    def __init__(self, journal: Any, is_leader: bool):
+        self._journal, self._leader = journal, is_leader
+
+    def read(self) -> int:
+        return int(broadcast(np.int32(self._journal.read() if self._leader else 0)))
+
+    def write(self, position: int) -> None:
+        if self._leader:
+            self._journal.write(position)
+
+    def close(self) -> None:
+        self._journal.close()
+
+
+def shard_digest(leaves: Sequence[jax.Array]) -> str:
+    """CRC32 of the shards of `leaves` that this process holds, one per distinct index."""
+    crc = 0
+    for leaf in leaves:
+        seen = {}
+        for shard in leaf.addressable_shards:
+            key = str([(s.start, s.stop) for s in shard.index])
+            if key not in seen:
+                seen[key] = np.ascontiguousarray(np.asarray(shard.data)).tobytes()
+        for key in sorted(seen):
+            crc = zlib.crc32(key.encode() + seen[key], crc)
+    return f"{crc:08x}"

@@ -1,0 +1,430 @@
+"""The local process manager: starts a run's processes, and restarts killed ones after repair.
+
+`Supervisor` owns named children (a syncer, learners, or the one process of a synchronous run),
+each carrying some learners. The chaos injector asks it to kill, pause or resume the process of
+a learner; a killed process is down for its repair time, then started again with the same
+command (a learner restores its checkpoint and rejoins; a syncer restores its state and listens
+on the same port). It records `down` (the failed learner's repair: not billed) and `waiting`
+(healthy learners of the same process, idled by the failure) in the timeline, and every fault
+and recovery in `metrics.jsonl`. A child that dies on its own is an error, reported with its log.
+
+`run_synchronous` runs `dp` or `diloco` under a fault schedule the way a real synchronous job
+lives: the whole job in one process, killed when any learner fails, restarted from its last
+checkpoint once every failed learner is repaired.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from decoupled_diloco import chaos
+from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.injector import Injector
+from decoupled_diloco.launch import Processes
+
+CHILD_ENV = "DD_CHAOS_CHILD"  # set in the process a synchronous run supervises
+
+
+class EventLog:
+    """Appends fault and recovery events to `workdir/metrics.jsonl`, with wall time.
+
+    Opened in append mode, like `MetricsWriter`, so the two share the file safely.
+    """
+
+    def __init__(self, workdir: pathlib.Path, t0: float):
+        self.path = workdir / "metrics.jsonl"
+        self.t0 = t0  # time.monotonic() at the start of the run
+        self.faults = self.recoveries = 0
+        self._lock = threading.Lock()
+        self.events: list[dict[str, Any]] = []
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        """Writes one event (`event`: "fault", "recovery", "fault_skipped", ...)."""
+        record = {"time": time.time(), "wall_s": round(time.monotonic() - self.t0, 3), **event}
+        with self._lock:
+            self.faults += event.get("event") == "fault"
+            self.recoveries += event.get("event") == "recovery"
+            self.events.append(record)
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        print(f"[chaos] {json.dumps(record)}", flush=True)
+
+
+@dataclasses.dataclass
+class Child:
+    """A supervised process: its command, the learners it carries, and its lifecycle."""
+
+    name: str
+    command: list[str]
+    learners: list[int]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restart_at: float | None = None  # monotonic; set while it is down
+    killed: bool = False  # the last death was ours
+    paused: bool = False
+    restarts: int = 0
+
+
+class Supervisor:
+    """Starts, kills, pauses and restarts a run's children (see the module doc).
+
+    Args:
+      procs: where children are started (logs, environment, reaping).
+      timeline_dir: the run's timeline folder (`down`/`waiting`/`starting` records).
+      log: the event log.
+    """
+
+    def __init__(self, procs: Processes, timeline_dir: pathlib.Path, log: EventLog):
+        self.procs, self.log = procs, log
+        self.timeline = timeline_lib.Timeline(timeline_dir, "supervisor", [])
+        self.timeline_dir = timeline_dir
+        self.children: dict[str, Child] = {}
+        self.down_until: dict[int, float] = {}  # learner -> end of its repair (monotonic)
+        self.error: str | None = None
+        self._lock = threading.RLock()
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
+
+    # Children --------------------------------------------------------------------------------
+
+    def add(
+        self,
+        name: str,
+        command: list[str],
+        learners: Sequence[int] = (),
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen:
+        """Starts a child now and supervises it from then on."""
+        with self._lock:
+            child = Child(name, list(command), list(learners), dict(env or {}))
+            self.children[name] = child
+            self._start(child)
+            return child.proc
+
+    def _start(self, child: Child) -> None:
+        if child.learners:
+            self.timeline.enter("starting", learners=child.learners)
+        with warnings.catch_warnings():
+            # JAX warns on every fork of a process that imported it; the child execs at once.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+            child.proc = self.procs.start(child.name, self._command(child), child.env)
+        child.restart_at, child.killed, child.paused = None, False, False
+
+    @staticmethod
+    def _command(child: Child) -> list[str]:
+        """The child's command; a server that picked a free port keeps that port on restarts."""
+        command = list(child.command)
+        files = [a.split("=", 1)[1] for a in command if a.startswith("--port_file=")]
+        if files and "--port=0" in command and pathlib.Path(files[0]).exists():
+            port = pathlib.Path(files[0]).read_text().strip()
+            if re.fullmatch(r"\d+", port):
+                command[command.index("--port=0")] = f"--port={port}"
+        return command
+
+    def start_thread(self) -> None:
+        """Starts the background loop that restarts repaired children."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the restart loop (children keep running; `procs.reap()` ends them)."""
+        self._halt.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._halt.wait(0.05):
+            try:
+                self.poll()
+            except Exception as error:  # noqa: BLE001 - surfaced by `check()`.
+                self.error = f"supervisor: {type(error).__name__}: {error}"
+
+    def poll(self) -> None:
+        """Restarts children whose repair is over; notes children that died on their own."""
+        now = time.monotonic()
+        with self._lock:
+            for child in self.children.values():
+                code = child.proc.poll() if child.proc else None
+                if child.restart_at is not None:
+                    if now >= child.restart_at and (child.proc is None or code is not None):
+                        child.restarts += 1
+                        self._start(child)
+                        self.log(
+                            {
+                                "event": "recovery",
+                                "kind": "restart",
+                                "process": child.name,
+                                "learners": child.learners,
+                                "restarts": child.restarts,
+                            }
+                        )
+                elif code not in (None, 0) and self.error is None:
+                    self.error = (
+                        f"{child.name} exited with code {code}:\n{self.procs.tail(child.name)}"
+                    )
+
+    def check(self) -> None:
+        """Raises the first unexpected failure, if any.
+
+        Raises:
+          RuntimeError: a child died without being killed by a fault (its log tail included).
+        """
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def finished(self, names: Sequence[str]) -> bool:
+        """Whether these children all exited cleanly and none is waiting for a restart."""
+        with self._lock:
+            return all(
+                self.children[n].restart_at is None
+                and self.children[n].proc is not None
+                and self.children[n].proc.poll() == 0
+                for n in names
+            )
+
+    def settle(self, timeout_s: float) -> None:
+        """Waits until no child is down waiting for its restart (e.g. a syncer killed late)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(c.restart_at is None for c in self.children.values()):
+                    return
+            self.check()
+            time.sleep(0.05)
+
+    def carrier(self, learner: int) -> Child | None:
+        """The child that carries `learner`."""
+        return next((c for c in self.children.values() if learner in c.learners), None)
+
+    # injector.Target ----------------------------------------------------------------------------
+
+    def kill_learner(self, learner: int, repair_s: float) -> bool:
+        """Kills (SIGKILL) the process(es) carrying `learner`.
+
+        They restart once every learner they carry is repaired. Returns False if `learner` is
+        already down or has finished.
+        """
+        with self._lock:
+            now, t = time.monotonic(), time.time()
+            if self.down_until.get(learner, 0.0) > now:
+                return False
+            carriers = [c for c in self.children.values() if learner in c.learners]
+            alive = [c for c in carriers if c.proc is not None and c.proc.poll() is None]
+            down = [c for c in carriers if c.restart_at is not None]
+            if not alive and not down:
+                return False  # finished its share
+            for child in alive:
+                child.proc.kill()
+                child.proc.wait()
+                child.killed, child.paused = True, False
+            self.down_until[learner] = now + repair_s
+            self.timeline.enter("down", t=t, learners=[learner])
+            for child in alive + down:
+                healthy = [
+                    x for x in child.learners if x != learner and self.down_until.get(x, 0) <= now
+                ]
+                if healthy and child in alive:  # a synchronous group idles during the repair
+                    self.timeline.enter("waiting", t=t, learners=healthy)
+                ends = [self.down_until.get(x, 0.0) for x in child.learners]
+                child.restart_at = max([now + repair_s, *ends])
+            return True
+
+    def pause_learner(self, learner: int) -> bool:
+        """Stops (SIGSTOP) the process of `learner`; False if it is not running."""
+        with self._lock:
+            child = self.carrier(learner)
+            if child is None or child.proc is None or child.proc.poll() is not None:
+                return False
+            child.proc.send_signal(signal.SIGSTOP)
+            child.paused = True
+            self.timeline.enter("paused", learners=child.learners)
+            return True
+
+    def resume_learner(self, learner: int) -> None:
+        """Continues (SIGCONT) a paused process; nothing if it was killed meanwhile."""
+        with self._lock:
+            child = self.carrier(learner)
+            if child is None or not child.paused or child.proc is None:
+                return
+            child.proc.send_signal(signal.SIGCONT)
+            child.paused = False
+            if child.proc.poll() is None:
+                # Until the process's own next record: it resumes mid-step, not a new step.
+                self.timeline.enter("blocked", learners=child.learners)
+
+    def kill_syncer(self, repair_s: float, shard: int = -1) -> bool:
+        """Kills every syncer process, or shard `shard`'s; each restarts after `repair_s`."""
+        names = {f"syncer_{shard}"} | ({"syncer"} if shard == 0 else set())
+        with self._lock:
+            syncers = [
+                c
+                for n, c in self.children.items()
+                if (n in names if shard >= 0 else n.startswith("syncer"))
+                and c.proc is not None
+                and c.proc.poll() is None
+            ]
+            for child in syncers:
+                child.proc.kill()
+                child.proc.wait()
+                child.killed = True
+                child.restart_at = time.monotonic() + repair_s
+            return bool(syncers)
+
+    def learner_step(self, learner: int) -> int:
+        """The last step `learner` recorded in its timeline (-1 before its first).
+
+        A child writes its timeline as `CHILD_NAME.jsonl` (a learner, or a synchronous trainer).
+        """
+        child = self.carrier(learner)
+        if child is None:
+            return -1
+        return timeline_lib.current_step(self.timeline_dir / f"{child.name}.jsonl")
+
+
+def prepare_run(config: Any, workdir: pathlib.Path) -> tuple[Any, dict[str, str], Any]:
+    """Readies `workdir` for a run: a fresh timeline, and under `config.chaos` the schedule.
+
+    Returns:
+      (config with an absolute `chaos` path, environment for every child, the schedule or None).
+
+    Raises:
+      chaos.ChaosError: the schedule cannot be read or names a learner that does not exist.
+    """
+    timeline_dir, control_dir = workdir / "timeline", workdir / "chaos"
+    for folder in (timeline_dir, control_dir):  # A fresh run: nothing from an earlier one.
+        for path in folder.glob("*") if folder.exists() else []:
+            path.unlink()
+    timeline_dir.mkdir(parents=True, exist_ok=True)
+    env = {timeline_lib.DIR_ENV: str(timeline_dir)}
+    if not config.chaos:
+        return config, env, None
+    path = str(pathlib.Path(config.chaos).absolute())
+    config = dataclasses.replace(config, chaos=path)
+    schedule = chaos.load(path, config.num_learners)
+    env[chaos.DIR_ENV] = str(control_dir)
+    return config, env, schedule
+
+
+def learner_env(learner: int, leader: bool = True) -> dict[str, str]:
+    """The environment of a process of learner `learner`: which fault controls are its own.
+
+    Only an island's leader process records the learner's timeline (`leader`); the other
+    processes of a multi-process island step in lockstep with it.
+    """
+    env = {chaos.LEARNER_ENV: str(learner)}
+    if not leader:
+        env[timeline_lib.DIR_ENV] = ""
+    return env
+
+
+def start_injector(
+    schedule: chaos.Schedule, supervisor: Supervisor, workdir: pathlib.Path, client: Any = None
+) -> Injector:
+    """Starts playing `schedule`; `at_s` counts from the event log's start."""
+
+    def syncer_busy() -> bool:
+        try:
+            return any(f["pending"] for f in client.status()["fragments"])
+        except Exception:  # noqa: BLE001 - a syncer that does not answer is not mid-merge.
+            return False
+
+    injector = Injector(
+        schedule,
+        supervisor,
+        workdir / "chaos",
+        supervisor.log,
+        supervisor.log.t0,
+        syncer_busy if client is not None else None,
+    )
+    injector.start()
+    return injector
+
+
+def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
+    """Runs `dp`/`diloco` under `config.chaos` in a supervised child process; returns the summary.
+
+    The child is `python -m experiments.train` on the same config (with `DD_CHAOS_CHILD` set, so
+    it trains instead of supervising). A learner fault kills the child; once every failed
+    learner's repair is over it restarts and resumes from its newest checkpoint (every
+    `checkpoint.every` steps; without checkpoints it starts over).
+
+    Raises:
+      RuntimeError: the child failed on its own (its log tail is in the message).
+    """
+    from decoupled_diloco.launch import write_config_file
+
+    t0 = time.monotonic()
+    workdir = pathlib.Path(workdir).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    config, chaos_env, schedule = prepare_run(config, workdir)
+    config_file = write_config_file(config, workdir / "config.py")
+    (workdir / "summary.json").unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({CHILD_ENV: "1", **chaos_env})
+    procs = Processes(workdir / "logs", env)
+    log = EventLog(workdir, t0)
+    supervisor = Supervisor(procs, workdir / "timeline", log)
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        f"--config={config_file}",
+        f"--workdir={workdir}",
+    ]
+    injector = None
+    try:
+        supervisor.add("trainer", command, learners=range(config.num_learners))
+        supervisor.start_thread()
+        injector = start_injector(schedule, supervisor, workdir)
+        while not supervisor.finished(["trainer"]):
+            supervisor.check()
+            time.sleep(0.1)
+    finally:
+        if injector is not None:
+            injector.halt.set()
+        supervisor.stop()
+        procs.reap()
+    summary = json.loads((workdir / "summary.json").read_text())
+    summary.update(chaos_summary(workdir, log, t_end=time.time()))
+    summary["wall_s"] = time.monotonic() - t0
+    from decoupled_diloco.metrics import write_summary
+
+    write_summary(workdir, summary)
+    write_timeline_png(workdir)
+    return summary
+
+
+def chaos_summary(workdir: pathlib.Path, log: EventLog | None, t_end: float) -> dict[str, Any]:
+    """The summary's resilience fields, from the run's timeline and event log."""
+    result = timeline_lib.analyze(timeline_lib.load(workdir / "timeline"), t_end=t_end)
+    return {
+        "goodput": result.goodput,
+        "uptime": result.uptime,
+        "lost_steps": result.lost_steps,
+        "failures_injected": log.faults if log else 0,
+        "recoveries": log.recoveries if log else 0,
+        "chaos_events": log.events if log else [],
+        "timeline": result.as_dict(),
+    }
+
+
+def write_timeline_png(workdir: pathlib.Path) -> pathlib.Path | None:
+    """Draws `workdir/timeline.png` (learner states and faults); None if it cannot be drawn."""
+    from decoupled_diloco import timeline_plot
+
+    try:
+        return timeline_plot.plot_timeline(workdir)
+    except Exception as error:  # noqa: BLE001 - a picture never fails a finished run.
+        print(f"[chaos] no timeline picture: {type(error).__name__}: {error}", flush=True)
+        return None

@@ -1,0 +1,297 @@
+"""Durable syncer state: a write-ahead log plus Orbax snapshots; nothing acknowledged early.
+
+The guarantee: a syncer started with a checkpoint directory publishes a merged version (makes
+it pullable and reports it in register, heartbeat and status replies) and acknowledges a push
+or a registration only after the change is on disk. Every change is appended to a write-ahead
+log (`syncer_wal`) under the state lock, as its result; one committer thread syncs the log
+(`fdatasync`, one sync for all changes since the last) and then publishes, so acknowledgement
+costs a disk sync, not a checkpoint. Every `snapshot_s` seconds it also writes an Orbax snapshot
+of the whole state (global fragments, outer optimizer state, version history, pending pushes,
+per-learner counters, idempotency keys) and starts a new log.
+
+A restart restores the newest readable snapshot and re-applies the logs after it, so it never
+loses anything a learner was told: versions never go backwards, an accepted push is merged or
+still pending, and a retried push is still recognized by its idempotency key. A change lost in
+a crash (its record cut short or never synced) was never acknowledged: the learner retries the
+push or never saw the version. An unreadable snapshot is skipped with a warning; the previous
+one and the logs since it (logs are kept for every kept snapshot) rebuild the same state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from decoupled_diloco import syncer_wal as wal
+from decoupled_diloco.checkpointing import IslandCheckpointer
+from decoupled_diloco.syncer_state import LearnerInfo, Push, PushResult, SyncerState
+
+FORMAT = 1
+
+
+def snapshot(
+    state: SyncerState,
+) -> tuple[dict[str, Any], dict[str, Any], dict[int, tuple[int, list[np.ndarray]]]]:
+    """A consistent copy of the state; call under `state.lock`.
+
+    Returns:
+      (tree of arrays for Orbax, JSON metadata, {fragment: (version, values)} to publish).
+    """
+    tree, fragments, published = {}, {}, {}
+    for p in sorted(state.owned):
+        f = state.fragments[p]
+        tree[f"f{p}"] = {
+            "values": list(f.values),
+            "opt": list(jax.tree.leaves(f.opt_state)),
+            "history": {f"v{v}": list(x) for v, x in f.history.items()},
+            "pending": {f"l{i}": list(x.delta) for i, x in f.pending.items()},
+        }
+        fragments[str(p)] = {
+            "version": f.version,
+            "merges": f.merges,
+            "late": f.late,
+            "duplicates": f.duplicates,
+            "pending": [
+                {k: v for k, v in dataclasses.asdict(x).items() if k != "delta"}
+                for x in f.pending.values()
+            ],
+        }
+        published[p] = (f.version, f.values)
+    learners = {}
+    for i, info in state.learners.items():
+        entry = dataclasses.asdict(info)
+        entry.pop("last_seen")
+        learners[str(i)] = entry
+    meta = {
+        "format": FORMAT,
+        "seq": state.seq,
+        "owned": sorted(state.owned),
+        "num_fragments": len(state.fragments),
+        "fragments": fragments,
+        "learners": learners,
+        "seen": [[*key, *dataclasses.astuple(result)] for key, result in state.seen.items()],
+        "ema": [state.ema_step.value, state.ema_quorum.value, state.ema_sync.value],
+        "merge_sizes": list(state.merge_sizes),
+        "merge_log": state.merge_log[-200:],
+        "wall_time": time.time(),
+    }
+    return tree, meta, published
+
+
+def _arrays(values: Any, specs: Any, where: str) -> list[np.ndarray]:
+    arrays = [np.asarray(x) for x in values]
+    got = [(tuple(a.shape), str(a.dtype)) for a in arrays]
+    want = [(tuple(s.shape), s.dtype) for s in specs]
+    if got != want:
+        raise ValueError(
+            f"syncer checkpoint {where}: tensors {got} do not match the model's {want} "
+            "(was config.model or decoupled.fragments changed since it was written?)"
+        )
+    return arrays
+
+
+def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Replaces `state`'s contents with a restored snapshot.
+
+    Raises:
+      ValueError: the checkpoint belongs to another shard layout or model.
+    """
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"syncer checkpoint format {meta.get('format')} != {FORMAT}")
+    if meta["owned"] != sorted(state.owned) or meta["num_fragments"] != len(state.fragments):
+        raise ValueError(
+            f"syncer checkpoint holds fragments {meta['owned']} of {meta['num_fragments']}, this "
+            f"shard owns {sorted(state.owned)} of {len(state.fragments)} (decoupled.fragments or "
+            "decoupled.syncer.shards changed, or another shard's checkpoint directory)"
+        )
+    now = state.clock()
+    with state.lock:
+        for p in sorted(state.owned):
+            f, saved, info = state.fragments[p], tree[f"f{p}"], meta["fragments"][str(p)]
+            f.values = _arrays(saved["values"], f.specs, f"fragment {p}")
+            template = jax.device_get(state.tx.init(state._tree(f, f.values)))
+            leaves = [np.asarray(x) for x in saved["opt"]]
+            f.opt_state = jax.tree.unflatten(jax.tree.structure(template), leaves)
+            f.history = {
+                int(k[1:]): _arrays(v, f.specs, f"fragment {p} history")
+                for k, v in saved["history"].items()
+            }
+            f.pending = {}
+            for entry in info["pending"]:
+                delta = _arrays(saved["pending"][f"l{entry['learner_id']}"], f.specs, "pending")
+                f.pending[entry["learner_id"]] = Push(**entry, delta=delta)
+            f.version = f.published = info["version"]
+            f.published_values = f.values
+            f.merges, f.late, f.duplicates = info["merges"], info["late"], info["duplicates"]
+            # Open rounds start their timing again; the closer thread re-checks the quorum.
+            f.first_push_t = now if f.pending else None
+            f.quorum_t = f.closed_t = None
+        # Learners count as just seen: each gets `learner_timeout_s` to show up again.
+        state.learners = {
+            int(i): LearnerInfo(**entry, last_seen=now) for i, entry in meta["learners"].items()
+        }
+        state.seen = {(i, p, r): PushResult(*rest) for i, p, r, *rest in meta["seen"]}
+        for ema, value in zip(
+            (state.ema_step, state.ema_quorum, state.ema_sync), meta["ema"], strict=True
+        ):
+            ema.value = value
+        state.merge_sizes = list(meta["merge_sizes"])
+        state.merge_log = list(meta["merge_log"])
+        state.seq = state.committed_seq = meta["seq"]
+
+
+class Committer:
+    """Makes a `SyncerState` durable: a write-ahead log, Orbax snapshots, then publication.
+
+    Args:
+      state: the syncer's state; `durable` is switched on.
+      directory: this shard's checkpoint directory (created if missing): Orbax snapshots in
+        `snapshots/SEQ`, write-ahead logs in `wal/SEQ.log`.
+      max_to_keep: newest snapshots kept (with the logs that follow each of them).
+      snapshot_s: at least this long between two snapshots.
+    """
+
+    def __init__(
+        self,
+        state: SyncerState,
+        directory: str | pathlib.Path,
+        max_to_keep: int = 3,
+        snapshot_s: float = 10.0,
+    ):
+        self.state, self.snapshot_s = state, snapshot_s
+        self.directory = pathlib.Path(directory).absolute()
+        self.wal_dir = self.directory / "wal"
+        self.checkpointer = IslandCheckpointer(self.directory / "snapshots", max_to_keep)
+        self.syncs = self.snapshots = self.replayed = 0
+        self.sync_s = self.snapshot_time_s = 0.0
+        self._last_snapshot = (-1, 0.0)  # (seq, monotonic time)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="syncer-committer", daemon=True)
+        state.durable = True
+
+    def _logs(self, since: int) -> list[pathlib.Path]:
+        logs = (
+            [p for p in self.wal_dir.glob("*.log") if p.stem.isdigit()]
+            if self.wal_dir.exists()
+            else []
+        )
+        return sorted((p for p in logs if int(p.stem) >= since), key=lambda p: int(p.stem))
+
+    def restore(self) -> int | None:
+        """Loads the newest readable snapshot and re-applies the logs after it.
+
+        Returns:
+          The state's change count after the restore (None: nothing on disk, a fresh start).
+          An unreadable newer snapshot is skipped with a warning (and deleted, so that snapshots
+          can go on past it); the logs still hold what it held, so nothing is lost.
+        """
+        steps = self.checkpointer.all_steps()
+        found = self.checkpointer.restore_latest(None)
+        step = found[0] if found else 0
+        if steps and step != steps[-1]:
+            logging.warning(
+                "syncer checkpoint %s/%d is unreadable; falling back to snapshot %s and the "
+                "write-ahead logs after it",
+                self.checkpointer.directory,
+                steps[-1],
+                step if found else "none (the initial state)",
+            )
+        self.checkpointer.discard_after(step)
+        if found is not None:
+            _, tree, meta = found
+            load(self.state, tree, meta)
+        logs = self._logs(step)
+        with self.state.lock:
+            for path in logs:
+                for header, arrays in wal.read(path):
+                    if header["seq"] > self.state.seq:
+                        wal.apply(self.state, header, arrays)
+                        self.replayed += 1
+            self.state.committed_seq = self.state.seq
+        if found is None and not logs:
+            return None
+        return self.state.seq
+
+    def start(self) -> Committer:
+        """Writes the starting snapshot (unless one holds this state), then starts the thread."""
+        if self.state.seq not in self.checkpointer.all_steps():
+            self._snapshot()
+        else:  # restarted on an unchanged snapshot: keep appending to its log
+            self.state.wal = wal.WriteAheadLog(self.wal_dir / f"{self.state.seq}.log")
+            self._last_snapshot = (self.state.seq, time.monotonic())
+        self._thread.start()
+        return self
+
+    def _snapshot(self) -> None:
+        """An Orbax snapshot of the state; later changes go to a new log."""
+        t0 = time.perf_counter()
+        with self.state.lock:
+            if self.state.seq == self._last_snapshot[0]:
+                return  # nothing new since the last one
+            tree, meta, _ = snapshot(self.state)
+            seq = self.state.seq
+            old, self.state.wal = self.state.wal, wal.WriteAheadLog(self.wal_dir / f"{seq}.log")
+        if old is not None:
+            old.close()
+        self.checkpointer.save(seq, tree, meta)
+        self.checkpointer.wait()
+        self._last_snapshot = (seq, time.monotonic())
+        kept = self.checkpointer.all_steps()
+        for path in self._logs(0):  # logs older than every kept snapshot are not needed
+            if kept and int(path.stem) < kept[0]:
+                path.unlink(missing_ok=True)
+        self.snapshots += 1
+        self.snapshot_time_s += time.perf_counter() - t0
+
+    def _run(self) -> None:
+        state = self.state
+        while not self._stop.is_set():
+            with state.lock:
+                if state.seq <= state.committed_seq:
+                    state.lock.wait(0.05)
+                    due = state.seq > self._last_snapshot[0]
+                    if not (due and time.monotonic() - self._last_snapshot[1] >= self.snapshot_s):
+                        continue
+                target = state.seq
+                published = {
+                    p: (state.fragments[p].version, state.fragments[p].values) for p in state.owned
+                }
+                log = state.wal
+            try:
+                t0 = time.perf_counter()
+                log.sync()  # every change up to `target` is in this log or an older, closed one
+                self.sync_s += time.perf_counter() - t0
+                self.syncs += 1
+                state.publish(target, published)
+                if time.monotonic() - self._last_snapshot[1] >= self.snapshot_s:
+                    self._snapshot()
+            except Exception as error:  # noqa: BLE001 - keep trying; nothing is acknowledged.
+                logging.error("syncer commit failed: %s: %s", type(error).__name__, error)
+                self._stop.wait(1.0)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and mean times of log syncs and snapshots."""
+        return {
+            "syncs": self.syncs,
+            "sync_mean_s": self.sync_s / max(self.syncs, 1),
+            "snapshots": self.snapshots,
+            "snapshot_mean_s": self.snapshot_time_s / max(self.snapshots, 1),
+            "replayed_records": self.replayed,
+        }
+
+    def stop(self) -> None:
+        """Stops after the current commit; closes the log and the checkpointer."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.state.wal is not None:
+            self.state.wal.close()
+            self.state.wal = None
+        self.checkpointer.close()

@@ -1,0 +1,189 @@
+"""The syncer's write-ahead log: every change a restart must not lose, as one appended record.
+
+Between two Orbax snapshots (`syncer_checkpoint`), each change to the syncer's state is appended
+to `wal/SEQ.log` (SEQ: the snapshot it follows) under the state lock, as its result: a push's
+pending outer gradient and idempotency key, a merge's new fragment values, optimizer state and
+version, a registration. A restart restores a snapshot and re-applies the records after it.
+
+A record: magic, header length, payload length, CRC-32 of both, a JSON header (what changed and
+the dtype and shape of each array) and the arrays' raw bytes. A record cut short by a crash
+fails its length or CRC check; reading stops there (it was never acknowledged: acknowledgements
+wait for `sync`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import struct
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from decoupled_diloco.syncer_state import LearnerInfo, Push, PushResult, SyncerState
+
+_MAGIC = b"DDW1"
+_HEAD = struct.Struct("<4sIQI")  # magic, header bytes, payload bytes, CRC-32
+
+
+class WriteAheadLog:
+    """An append-only record file (see the module doc).
+
+    Args:
+      path: the log file (appended to if it exists).
+    """
+
+    def __init__(self, path: pathlib.Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.records = 0
+
+    def record(self, state: SyncerState, kind: str, *args: Any) -> None:
+        """Appends the result of change `kind` (`SyncerState._changed`); call under its lock."""
+        header, arrays = _describe(state, kind, *args)
+        self.append(header, arrays)
+
+    def append(self, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        """Appends one record (written to the OS at once; `sync` makes it durable)."""
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        header = {**header, "arrays": [[a.dtype.str, list(a.shape)] for a in arrays]}
+        meta = json.dumps(header).encode()
+        payload = b"".join(a.tobytes() for a in arrays)
+        crc = zlib.crc32(payload, zlib.crc32(meta))
+        data = memoryview(_HEAD.pack(_MAGIC, len(meta), len(payload), crc) + meta + payload)
+        while data:
+            data = data[os.write(self._fd, data) :]
+        self.records += 1
+
+    def sync(self) -> None:
+        """Blocks until every appended record is on disk."""
+        os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        """Syncs and closes the file."""
+        self.sync()
+        os.close(self._fd)
+
+
+def read(path: pathlib.Path) -> Iterator[tuple[dict[str, Any], list[np.ndarray]]]:
+    """The records of one log file, in order, up to the first incomplete or corrupt one."""
+    data = path.read_bytes()
+    at = 0
+    while at < len(data):
+        if len(data) - at < _HEAD.size:
+            break
+        magic, meta_n, payload_n, crc = _HEAD.unpack_from(data, at)
+        start, end = at + _HEAD.size, at + _HEAD.size + meta_n + payload_n
+        if magic != _MAGIC or end > len(data):
+            break
+        meta, payload = data[start : start + meta_n], data[start + meta_n : end]
+        if zlib.crc32(payload, zlib.crc32(meta)) != crc:
+            break
+        header = json.loads(meta)
+        arrays, offset = [], 0
+        for dtype, shape in header.pop("arrays"):
+            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            arrays.append(
+                np.frombuffer(payload, dtype, offset=offset, count=n // np.dtype(dtype).itemsize)
+                .reshape(shape)
+                .copy()
+            )
+            offset += n
+        yield header, arrays
+        at = end
+    if at < len(data):
+        logging.warning(
+            "%s: ignoring %d bytes after record-%d (cut short by a crash, never acknowledged)",
+            path,
+            len(data) - at,
+            at,
+        )
+
+
+def _describe(state: SyncerState, kind: str, *args: Any) -> tuple[dict[str, Any], list]:
+    """The record of one change, read from the state right after it."""
+    if kind == "register":
+        (learner,) = args
+        return {
+            "kind": kind,
+            "seq": state.seq,
+            "learner": learner,
+            "mesh": state.learners[learner].mesh,
+        }, []
+    if kind == "push":
+        learner, p, rnd = key = args[0]
+        f, result = state.fragments[p], state.seen[key]
+        pending = f.pending.get(learner) if result.accepted else None
+        header = {
+            "kind": kind,
+            "seq": state.seq,
+            "key": list(key),
+            "result": list(dataclasses.astuple(result)),
+            "late": f.late,
+            "pushes": state.learners[learner].pushes,
+            "pending": None
+            if pending is None
+            else {k: v for k, v in dataclasses.asdict(pending).items() if k != "delta"},
+        }
+        return header, list(pending.delta) if pending is not None else []
+    if kind == "merge":
+        (p,) = args
+        f = state.fragments[p]
+        header = {
+            "kind": kind,
+            "seq": state.seq,
+            "fragment": p,
+            "version": f.version,
+            "merges": f.merges,
+            "history": sorted(f.history),
+            "merge_sizes": list(state.merge_sizes),
+            "log": state.merge_log[-1] if state.merge_log else None,
+            "values": len(f.values),
+        }
+        return header, list(f.values) + list(jax.tree.leaves(f.opt_state))
+    raise ValueError(f"unknown syncer change {kind!r}")
+
+
+def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) -> None:
+    """Re-applies one record to the state (call under its lock)."""
+    now, kind = state.clock(), header["kind"]
+    if kind == "register":
+        learner = header["learner"]
+        info = state.learners.setdefault(learner, LearnerInfo())
+        info.mesh, info.state, info.last_seen = header["mesh"], "training", now
+        state.seen = {k: v for k, v in state.seen.items() if k[0] != learner}
+    elif kind == "push":
+        learner, p, rnd = header["key"]
+        f = state.fragments[p]
+        state.seen[(learner, p, rnd)] = PushResult(*header["result"])
+        f.late = header["late"]
+        info = state.learners.setdefault(learner, LearnerInfo())
+        info.pushes, info.last_seen = header["pushes"], now
+        if header["pending"] is not None:
+            f.pending[learner] = Push(**header["pending"], delta=arrays)
+            f.first_push_t = f.first_push_t or now
+    elif kind == "merge":
+        f = state.fragments[header["fragment"]]
+        n = header["values"]
+        f.values = arrays[:n]
+        template = jax.device_get(state.tx.init(state._tree(f, f.values)))
+        f.opt_state = jax.tree.unflatten(jax.tree.structure(template), arrays[n:])
+        f.version = f.published = header["version"]
+        f.published_values = f.values
+        f.merges = header["merges"]
+        f.history[f.version] = f.values
+        f.history = {v: x for v, x in f.history.items() if v in set(header["history"])}
+        f.pending, f.first_push_t, f.quorum_t, f.closed_t = {}, None, None, None
+        state.merge_sizes = list(header["merge_sizes"])
+        if header["log"] is not None:
+            state.merge_log.append(header["log"])
+    else:
+        raise ValueError(f"unknown syncer change {kind!r}")
+    state.seq = header["seq"]

@@ -1,0 +1,132 @@
+"""TensorBoard event files next to `metrics.jsonl`: `tensorboard --logdir WORKDIR/tb`.
+
+Every metrics event becomes scalars (written with tensorboardX, no TensorFlow needed), in one
+run directory per source:
+
+- `dp`/`diloco`: `WORKDIR/tb/train` (global loss, eval loss, throughput, and each learner's
+  loss as `learner_loss/I`).
+- `decoupled`: `WORKDIR/tb/syncer` (the global model's eval loss, merges, fragment versions as
+  `versions/P`) and `WORKDIR/tb/learner_I` (that learner's loss and other `learner_*` values,
+  at its own step), so TensorBoard overlays the learners as separate runs.
+
+A run resumed at step S purges the events after S that an earlier run wrote (TensorBoard's
+`purge_step`; a fresh run in a used directory purges them all), matching what `MetricsWriter`
+keeps in `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import struct
+import time
+from typing import Any
+
+TB_DIR = "tb"
+_SKIP = {"step", "wall_s"}  # The x axes, not series.
+
+
+class TensorBoardWriter:
+    """Turns metrics events into TensorBoard scalars under `workdir/tb/RUN`.
+
+    Args:
+      workdir: the run directory (the one holding `metrics.jsonl`).
+      resume_step: events after this step, written before a restart, are purged.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
+        self.root = pathlib.Path(workdir) / TB_DIR
+        self.resume_step = resume_step
+        self.t0 = time.time()
+        self._writers: dict[str, Any] = {}
+
+    def _writer(self, run: str) -> Any:
+        if run not in self._writers:
+            from tensorboardX import SummaryWriter  # Imported when first needed (~0.3 s).
+
+            self._writers[run] = SummaryWriter(
+                str(self.root / run),
+                # A rerun in the same directory replaces what an earlier one logged after
+                # `resume_step` (everything, for a fresh run), as metrics.jsonl does.
+                purge_step=self.resume_step + 1,
+                flush_secs=5,
+                # Event file names carry whole seconds: a nanosecond suffix keeps a quick rerun
+                # from overwriting the previous file, and sorts after it.
+                filename_suffix=f".{time.time_ns()}",
+            )
+        return self._writers[run]
+
+    def _scalar(self, run: str, tag: str, value: Any, step: int, walltime: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return
+        if not math.isfinite(value):
+            return
+        self._writer(run).add_scalar(tag, float(value), global_step=step, walltime=walltime)
+
+    def write(self, event: dict[str, Any]) -> None:
+        """Writes one metrics event's numeric values (strings and nulls are skipped)."""
+        step = int(event.get("step", 0))
+        walltime = self.t0 + float(event.get("wall_s") or 0.0)
+        learner_steps = event.get("learner_steps")
+        decoupled = isinstance(learner_steps, list)
+        main = "syncer" if decoupled else "train"
+        for key, value in event.items():
+            if key in _SKIP:
+                continue
+            if isinstance(value, list):
+                if decoupled and key.startswith("learner_"):
+                    tag = _singular(key[len("learner_") :])  # learner_losses -> loss
+                    for i, x in enumerate(value):
+                        own = learner_steps[i] if i < len(learner_steps) else step
+                        if key != "learner_steps":
+                            self._scalar(f"learner_{i}", tag, x, int(own or 0), walltime)
+                else:
+                    tag = _singular(key)  # learner_losses -> learner_loss/I
+                    for i, x in enumerate(value):
+                        self._scalar(main, f"{tag}/{i}", x, step, walltime)
+            elif isinstance(value, dict):
+                for name, x in value.items():
+                    self._scalar(main, f"{key}/{name}", x, step, walltime)
+            else:
+                self._scalar(main, key, value, step, walltime)
+        for writer in self._writers.values():
+            writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes every run's event file."""
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+
+def _singular(name: str) -> str:
+    if name.endswith("sses"):
+        return name[:-2]
+    return name[:-1] if name.endswith("s") else name
+
+
+def read_scalars(run_dir: str | pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of every event file in `run_dir`: {tag: [(step, value), ...]} in file order.
+
+    A reader for tests and reports that need no TensorBoard install: event files are TFRecord
+    streams (length, length CRC, `Event` proto, data CRC); the CRCs are not checked. A session
+    start at step S drops the values at steps >= S read so far, as TensorBoard does (purge).
+    """
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(pathlib.Path(run_dir).glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            record = data[pos + 12 : pos + 12 + length]
+            pos += 12 + length + 4
+            if len(record) < length:  # Cut short by a crash.
+                break
+            event = event_pb2.Event.FromString(record)
+            if event.session_log.status == event_pb2.SessionLog.START:
+                for tag, values in scalars.items():
+                    scalars[tag] = [(s, v) for s, v in values if s < event.step]
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars

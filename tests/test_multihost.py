@@ -1,0 +1,287 @@
+"""Multi-process islands: each learner island is 2 processes on JAX's distributed runtime.
+
+Real processes on 127.0.0.1: a syncer, and per island a leader plus a second process joined by
+`jax.distributed` with gloo collectives. Waits use generous deadlines on step counts, never
+fixed sleeps, and every process is reaped even when a test fails.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import launch
+from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.multihost import ProcessGroup, local_device_count
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOKEN = "multihost-test-token"
+# Overrides of experiments/configs/tiny_lm.py: a tiny model, islands of 2 devices x 2 processes.
+TINY_VALUES = {
+    "mode": "decoupled",
+    "model.d_model": 32,
+    "model.mlp_hidden": 64,
+    "model.num_layers": 1,
+    "model.seq_len": 32,
+    "data.batch_size": 8,
+    "inner_steps": 8,
+    "eval.every": 0,
+    "eval.batches": 2,
+    "checkpoint.every": 8,  # learner checkpoints: written (and restored) collectively
+    "log_every": 8,
+    "mesh.shape": (2, 1),
+    "decoupled.island_processes": 2,
+}
+TINY = ["--config=experiments/configs/tiny_lm.py"] + [
+    f"--config.{k}={v}".replace(" ", "") for k, v in TINY_VALUES.items()
+]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["DD_RUN_TOKEN"] = TOKEN
+    return env
+
+
+def _wait(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_process_group_and_config_are_checked():
+    assert ProcessGroup("h:1", 2, 0).is_leader and not ProcessGroup("h:1", 2, 1).is_leader
+    with pytest.raises(ValueError, match="process_id must be in"):
+        ProcessGroup("h:1", 2, 2)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        ProcessGroup("nohost", 2, 1)
+    assert local_device_count(4, 2) == 2
+    with pytest.raises(ValueError, match="does not split evenly over 2"):
+        local_device_count(3, 2)
+    base = config_lib.ExperimentConfig(mode="decoupled")
+    with pytest.raises(config_lib.ConfigError, match="island_processes"):
+        config_lib.validate(config_lib.replace(base, **{"decoupled.island_processes": 2}))
+    with pytest.raises(config_lib.ConfigError, match="dynamic_local_updates"):
+        config_lib.validate(
+            config_lib.replace(
+                base,
+                **{
+                    "mesh.shape": (2, 1),
+                    "decoupled.island_processes": 2,
+                    "decoupled.dynamic_local_updates": True,
+                },
+            )
+        )
+
+
+def test_island_commands_give_each_process_its_place(tmp_path):
+    config = config_lib.replace(
+        config_lib.ExperimentConfig(mode="decoupled"),
+        **{"mesh.shape": (2, 1), "decoupled.island_processes": 2},
+    )
+    summary = tmp_path / "learner_1.json"
+    cmds = launch.island_commands(config, tmp_path / "c.py", "127.0.0.1:5", 1, summary)
+    assert [name for name, _ in cmds] == ["learner_1", "learner_1_p1"]
+    flags = [dict(a[2:].split("=", 1) for a in cmd if a.startswith("--")) for _, cmd in cmds]
+    assert flags[0]["coordinator"] == flags[1]["coordinator"]
+    assert [f["process_id"] for f in flags] == ["0", "1"]
+    assert {f["num_processes"] for f in flags} == {"2"} and {f["learner_id"] for f in flags} == {
+        "1"
+    }
+    assert flags[0]["summary"] == str(summary)
+    assert flags[1]["summary"] == str(tmp_path / "learner_1_p1.json")
+
+
+@pytest.mark.multiprocess
+def test_multihost_two_islands_of_two_processes_train_to_the_end(tmp_path):
+    steps = 24
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            f"--workdir={tmp_path}",
+            *TINY,
+            f"--config.train_steps={steps}",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_eval_loss"] < 5.0  # ln(256) = 5.55 at init
+    assert summary["outer_syncs"] >= 4
+    for i in range(2):
+        leader = json.loads((tmp_path / f"learner_{i}.json").read_text())
+        other = json.loads((tmp_path / f"learner_{i}_p1.json").read_text())
+        assert (leader["process_id"], other["process_id"]) == (0, 1)
+        assert leader["steps"] == other["steps"] == steps and not leader["errors"]
+        # The same merges at the same steps, and bit-identical parameters after each one.
+        assert len(leader["merge_digests"]) >= 3
+        assert leader["merge_digests"] == other["merge_digests"]
+        assert leader["versions"] == other["versions"] and min(leader["versions"]) >= 1
+        assert other["pushes"] == {"accepted": 0, "late": 0, "duplicate": 0}  # leader only
+        assert other["pushes_unsent"] == other["pushes_dropped"] == 0 and not other["errors"]
+        # One checkpoint per island, written by both processes together (each its shards).
+        assert (tmp_path / "checkpoints" / f"learner_{i}" / str(steps)).is_dir()
+
+
+@pytest.mark.multiprocess
+def test_multihost_losing_one_process_restarts_only_its_island(tmp_path):
+    config = _tiny_config(train_steps=100_000)
+    config_file = launch.write_config_file(config, tmp_path / "config.py")
+    procs = launch.Processes(tmp_path / "logs", launch.child_env(TOKEN))
+    port_file = tmp_path / "syncer.port"
+    client = None
+    try:
+        procs.start("syncer", launch.syncer_command(config_file, port_file))
+        _wait(port_file.exists, 180, "the syncer's port file")
+        address = f"127.0.0.1:{port_file.read_text()}"
+
+        def start_island(i):
+            summary = tmp_path / f"learner_{i}.json"
+            for name, command in launch.island_commands(config, config_file, address, i, summary):
+                procs.start(name, command)
+
+        start_island(0)
+        start_island(1)
+        client = SyncerClient(address, config.decoupled.syncer, TOKEN)
+
+        def steps():
+            learners = client.status()["learners"]
+            return [learners.get(str(i), {}).get("step", 0) for i in range(2)]
+
+        _wait(lambda: min(steps()) >= 16, 240, "both islands to train")
+        victim = procs.procs["learner_1_p1"]
+        victim.kill()
+        victim.wait()
+        # The island's leader follows (a collective error or a missed heartbeat) ...
+        leader = procs.procs["learner_1"]
+        _wait(lambda: leader.poll() is not None, 120, "island 1's leader to go down")
+        assert leader.returncode != 0
+        # ... while island 0 keeps training.
+        at_loss = steps()
+        _wait(lambda: steps()[0] >= at_loss[0] + 16, 120, "island 0 to keep stepping")
+        assert all(procs.procs[n].poll() is None for n in ("learner_0", "learner_0_p1"))
+        # The island restarts as a whole and rejoins: it registers again, takes the global
+        # fragments and trains from its first step.
+        start_island(1)
+        log = tmp_path / "logs" / "learner_1.log"
+        _wait(lambda: log.read_text().count("joined at versions") == 2, 240, "the rejoin")
+        # Both processes restore the island's last checkpoint (collectively), then train on.
+        restored = _wait(
+            lambda: [x for x in log.read_text().splitlines() if "restored step" in x],
+            240,
+            "the island's restore",
+        )
+        assert int(restored[-1].split("restored step ")[1].split()[0]) >= 8
+        rejoined = steps()[1]
+        restarted = procs.procs["learner_1"]
+        _wait(lambda: steps()[1] >= rejoined + 16, 240, "island 1 to train again")
+        assert restarted.poll() is None and procs.procs["learner_1_p1"].poll() is None
+        learner_1 = client.status()["learners"]["1"]
+        assert learner_1["state"] == "training" and min(learner_1["versions"]) >= 1
+        assert procs.procs["learner_0"].poll() is None
+    finally:
+        if client is not None:
+            client.close()
+        procs.reap()
+    assert all(p.poll() is not None for p in procs.procs.values())
+
+
+def _tiny_config(**overrides):
+    """The config that TINY's flags describe, plus `overrides`."""
+    from experiments.configs import tiny_lm
+
+    base = config_lib.from_config_dict(tiny_lm.get_config())
+    return config_lib.replace(base, **{**TINY_VALUES, **overrides})
+
+
+CHECKPOINT_WORKER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from decoupled_diloco import multihost
+    from decoupled_diloco.cpu_devices import configure_cpu_devices
+
+    pid, coordinator, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    configure_cpu_devices(2)
+    group = multihost.ProcessGroup(coordinator, 2, pid)
+    multihost.initialize(group)
+    import jax
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.checkpointing import IslandCheckpointer
+    from decoupled_diloco.island import Island
+
+    config = config_lib.replace(
+        config_lib.ExperimentConfig(),
+        **{"model.d_model": 32, "model.mlp_hidden": 64, "model.num_layers": 1,
+           "model.seq_len": 32, "data.batch_size": 8, "mesh.shape": (2, 2)},
+    )
+    island = Island(config, jax.devices(), mesh_shape=(2, 2))  # shards on both processes
+    state = island.init(0)
+    batch = np.random.default_rng(0).integers(0, 256, (8, 33), dtype=np.int32)
+    state, loss = island.step(state, multihost.put_global(batch, island.batch_sharding))
+    ckpt = IslandCheckpointer(directory)
+    ckpt.save(1, state, {"step": 1})  # collective: each process writes its own shards
+    ckpt.close()
+    restored = IslandCheckpointer(directory).restore_latest(island.abstract_state)
+    step, back, meta = restored
+    same = all(
+        np.array_equal(a, b)
+        for a, b in zip(multihost.to_host(jax.tree.leaves(state)),
+                        multihost.to_host(jax.tree.leaves(back)), strict=True)
+    )
+    print(f"RESULT {pid} step={step} meta={meta['step']} same={same} loss={float(loss):.6f}",
+          flush=True)
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_multihost_island_checkpoint_is_written_and_restored_collectively(tmp_path):
+    from decoupled_diloco.procs import free_port, reap
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHECKPOINT_WORKER, str(i), coordinator, str(tmp_path / "ck")],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [w.communicate(timeout=400)[0] for w in workers]
+    finally:
+        reap(workers)
+    for i, (w, out) in enumerate(zip(workers, outs, strict=True)):
+        assert w.returncode == 0, out[-3000:]
+        result = [x for x in out.splitlines() if x.startswith("RESULT")]
+        assert result and f"RESULT {i} step=1 meta=1 same=True" in result[0], out[-2000:]
+    # Both processes computed the same (replicated) loss of the one global step.
+    assert outs[0].split("loss=")[1].split()[0] == outs[1].split("loss=")[1].split()[0]
+    assert (tmp_path / "ck" / "1").is_dir()

@@ -1,0 +1,127 @@
+r"""Restart cost of a decoupled learner: kill -9, start the same command, time to its first step.
+
+  python -m tools.bench_restart --out=benchmarks/results/restart.md [--kills=5]
+
+Runs a syncer (with durable state) and one learner of `tiny_lm_decoupled` with checkpoints
+every 20 steps, on the persistent compilation cache. After a cold start, it kills the learner
+with SIGKILL and starts the very same command again, `--kills` times, each once the previous
+incarnation has stepped 30 more steps. Every learner prints when its first step ends and where
+the time went since the process started (`learner_recovery.startup_line`); the table is those
+lines. The issue's torchft comparison target is <= 4 s from restart to stepping again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_LINE = re.compile(r"first step ([\d.]+) s after the process started: (.*)")
+
+
+def _config():
+    from decoupled_diloco import config as config_lib
+    from experiments.configs import tiny_lm_decoupled
+
+    base = config_lib.from_config_dict(tiny_lm_decoupled.get_config())
+    return config_lib.replace(
+        base, num_learners=1, train_steps=1_000_000, log_every=1000, **{"checkpoint.every": 20}
+    )
+
+
+def measure(kills: int, workdir: pathlib.Path) -> list[tuple[str, float, str]]:
+    """(label, seconds to first step, phase breakdown) of the cold start and each restart."""
+    from decoupled_diloco import launch
+    from decoupled_diloco.procs import free_port
+
+    config = _config()
+    config_file = launch.write_config_file(config, workdir / "config.py")
+    env = launch.child_env("bench-restart-token")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
+    procs = launch.Processes(workdir / "logs", env)
+    port = free_port()
+    journal = workdir / "checkpoints" / "learner_0.progress"
+    command = launch.learner_command(
+        config_file, f"127.0.0.1:{port}", 0, workdir / "learner_0.json"
+    )
+
+    def position() -> int:
+        text = journal.read_text().strip() if journal.exists() else ""
+        return int(text) if text.isdigit() else 0
+
+    def wait(predicate, what: str, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}:\n{procs.tail('learner_0')}")
+            if procs.failed():
+                raise RuntimeError(f"a process failed:\n{procs.tail('learner_0')}")
+            time.sleep(0.05)
+
+    rows = []
+    try:
+        procs.start(
+            "syncer",
+            launch.syncer_command(
+                config_file, workdir / "syncer.port", port, 0, workdir / "checkpoints" / "syncer_0"
+            ),
+        )
+        for k in range(kills + 1):
+            procs.start("learner_0", command)
+            wait(
+                lambda k=k: len(_LINE.findall(procs.tail("learner_0", 10_000))) > k,
+                "the learner's first step",
+            )
+            start = position()
+            wait(lambda start=start: position() >= start + 30, "30 more steps")
+            seconds, phases = _LINE.findall(procs.tail("learner_0", 10_000))[-1]
+            rows.append(("cold start" if k == 0 else f"restart {k}", float(seconds), phases))
+            if k < kills:
+                procs.procs["learner_0"].send_signal(signal.SIGKILL)
+                procs.procs["learner_0"].wait()
+    finally:
+        procs.reap()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/restart.md")
+    parser.add_argument("--kills", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_restart_") as tmp:
+        load_before = os.getloadavg()[0]
+        rows = measure(args.kills, pathlib.Path(tmp))
+        load_after = os.getloadavg()[0]
+    restarts = [s for label, s, _ in rows if label != "cold start"]
+    lines = [
+        "## Restart cost of a killed learner",
+        "",
+        f"`python -m tools.bench_restart --out={args.out} --kills={args.kills}` "
+        f"({time.strftime('%Y-%m-%d')}; load average {load_before:.1f} before, "
+        f"{load_after:.1f} after, on {os.cpu_count()} cores). One `tiny_lm_decoupled` learner "
+        "and a durable syncer; SIGKILL, then the same command again. Seconds from the new "
+        "process's start to the end of its first step, and where they went:",
+        "",
+        "| run | to first step (s) | phases |",
+        "|---|---|---|",
+        *(f"| {label} | {seconds:.2f} | {phases} |" for label, seconds, phases in rows),
+        "",
+        f"Median over {len(restarts)} restarts: **{statistics.median(restarts):.2f} s** "
+        "(target from the torchft comparison: <= 4 s).",
+        "",
+    ]
+    pathlib.Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
