@@ -111,13 +111,21 @@ class Injector(threading.Thread):
             else:
                 self._emit("fault_skipped", fault, reason="learner not running")
         elif fault.kind == "kill_syncer":
+            busy = None  # whether a round had pending pushes at the kill (None: not asked)
             if fault.during_merge and self.syncer_busy is not None:
-                deadline = time.monotonic() + 30
-                while not self.syncer_busy() and time.monotonic() < deadline:
-                    time.sleep(0.005)
+                # Pending pushes last milliseconds on a quiet machine: look for them a while,
+                # then kill anyway and record that the kill missed a merge.
+                deadline = time.monotonic() + 3
+                busy = self.syncer_busy()
+                while not busy and time.monotonic() < deadline:
+                    if self.halt.is_set():  # the run ended first: say so, never kill late
+                        self._emit("fault_skipped", fault, reason="run ended before a merge")
+                        return
+                    time.sleep(0.002)
+                    busy = self.syncer_busy()
             if self.target.kill_syncer(fault.repair_s, fault.shard):
                 self.injected += 1
-                self._emit("fault", fault)
+                self._emit("fault", fault, **({} if busy is None else {"merge_pending": busy}))
             else:
                 self._emit("fault_skipped", fault, reason="syncer not running")
         elif fault.kind == "pause":

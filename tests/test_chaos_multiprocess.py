@@ -68,21 +68,22 @@ def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_pat
     # Learner 0's link drops 30% of calls (half of them after the syncer handled the call, so
     # that the retry re-sends a push it already has) and adds 20 ms per call; learner 1 is
     # killed (-9) at step 40 and restarted 2 s later from its checkpoint (every 16 steps); the
-    # syncer is killed while a round has pushes pending, once learner 0 reaches step 60, and
+    # syncer is killed while a round has pushes pending, once learner 0 reaches step 24, and
     # restarted 1 s later from its own checkpoint.
     summary, events, _ = _run(
         tmp_path,
         "seed: 0\nfaults:\n"
         "  - {at_s: 0, kind: link, learner: 0, drop: 0.3, latency_s: 0.02}\n"
         "  - {at_step: 40, kind: kill, learner: 1, repair_s: 2}\n"
-        "  - {at_step: 60, kind: kill_syncer, learner: 0, repair_s: 1, during_merge: true}\n",
+        "  - {at_step: 24, kind: kill_syncer, learner: 0, repair_s: 1, during_merge: true}\n",
         "--config.mode=decoupled",
         "--config.train_steps=96",
         "--config.checkpoint.every=16",
     )
     assert all(x["steps"] == 96 and not x["errors"] for x in summary["learners"])
     assert summary["final_eval_loss"] < 4.5  # ln(256) = 5.55 at init
-    assert summary["failures_injected"] == 3 and summary["recoveries"] == 2
+    faults = [e for e in events if "event" in e]
+    assert summary["failures_injected"] == 3 and summary["recoveries"] == 2, faults
     kinds = sorted((e["event"], e["kind"], e.get("process", "")) for e in events if "event" in e)
     assert kinds == [
         ("fault", "kill", ""),
