@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.cfg
 	touch $(STAMP)
 
 demo: venv
-	$(PY) -m experiments.train --config=experiments/configs/tiny_lm.py --workdir=$(WORKDIR)
+	$(PY) -m experiments.train --config=experiments/configs/demo.py --workdir=$(WORKDIR)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -34,7 +34,7 @@ format: venv
 test: lint
 	$(PY) -m pytest -q
 
-# All benchmarks take about 1.5 h on 2 cores (the 2,000-step quality runs); `make bench ONLY=throughput,goodput` picks some.
+# All benchmarks take several hours on 2 cores (the 2,000-step quality runs); `make bench ONLY=throughput,goodput` picks some.
 bench: venv
 	$(PY) -m tools.run_benchmarks $(if $(ONLY),--only=$(ONLY))
 

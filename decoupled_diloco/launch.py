@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco import watch
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
@@ -397,6 +398,7 @@ def _monitor(
     learner_names = [f"learner_{i}" for i in range(config.num_learners)]
     status: dict[str, Any] = {"merges": 0, "learners": {}}
     staleness = 0  # the largest version lag of a learner seen (summary: max_staleness)
+    progress = watch.RunProgress("decoupled")
     try:
         while True:
             supervisor.check()  # a child that died on its own, not by a fault, ends the run
@@ -424,7 +426,7 @@ def _monitor(
                 evals = [
                     x["eval_loss"] for x in learners.values() if x["eval_loss"] == x["eval_loss"]
                 ]
-                print(progress_line(status, config.train_steps, elapsed), flush=True)
+                progress.show(status, progress_line(status, config.train_steps, elapsed), elapsed)
                 writer.write(
                     step=int(np.mean(steps)),
                     tokens=sum(x["tokens"] for x in learners.values()),
@@ -448,6 +450,7 @@ def _monitor(
                 return {**_wait_for_last_merges(client, status), "max_staleness": staleness}
             time.sleep(progress_s)
     finally:
+        progress.close()
         writer.close()
 
 

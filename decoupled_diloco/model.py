@@ -76,12 +76,16 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block on flattened tokens (N = B*T, D)."""
+    """Pre-norm transformer block on flattened tokens (N = B*T, D).
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    `attention` builds the attention layer (causal with rotary positions by default; the ViT's
+    encoder passes its bidirectional one).
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: type[nnx.Module] = Attention):
         dtype = jnp.dtype(cfg.dtype)
         self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = attention(cfg, rngs)
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(cfg, rngs)
 

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from decoupled_diloco.config import ModelConfig
-from decoupled_diloco.model import Params, SwiGLU
+from decoupled_diloco.model import Block, Params
 
 _INIT_STD = 0.02
 
@@ -59,20 +59,11 @@ class EncoderAttention(nnx.Module):
         return self.out(o_BTNH.reshape(tokens, d_model))
 
 
-class EncoderBlock(nnx.Module):
-    """Pre-norm encoder block on flattened patches (N = B·patches, D)."""
+class EncoderBlock(Block):
+    """Pre-norm encoder block on flattened patches (N = B·patches, D): bidirectional attention."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dtype = jnp.dtype(cfg.dtype)
-        self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
-        self.attn = EncoderAttention(cfg, rngs)
-        self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
-        self.mlp = SwiGLU(cfg, rngs)
-
-    def __call__(self, x_ND: jax.Array, batch: int) -> jax.Array:
-        """Residual attention, then residual MLP."""
-        x_ND = x_ND + self.attn(self.attn_norm(x_ND), batch)
-        return x_ND + self.mlp(self.mlp_norm(x_ND))
+        super().__init__(cfg, rngs, attention=EncoderAttention)
 
 
 class ViT(nnx.Module):

@@ -136,3 +136,33 @@ def watch(client: Any, address: str, interval_s: float = 2.0, count: int = 0) ->
                 time.sleep(interval_s)
         except KeyboardInterrupt:
             return
+
+
+class RunProgress:
+    """The launcher's progress: a live table on a terminal, one plain line per poll otherwise.
+
+    Logs, pipes and tests get the plain lines (one per poll, grep-able); a user at a terminal
+    gets the same table as `status --watch`, refreshed in place.
+    """
+
+    def __init__(self, title: str, live: bool | None = None):
+        import sys
+
+        self.title, self.rate = title, MergeRate()
+        use_live = sys.stdout.isatty() if live is None else live
+        self.live = Live(Text(f"{title}: starting ..."), auto_refresh=False) if use_live else None
+        if self.live is not None:
+            self.live.start()
+
+    def show(self, status: dict[str, Any], line: str, elapsed_s: float) -> None:
+        """Shows one poll's `status` (as a table) or its one-`line` summary."""
+        if self.live is None:
+            print(line, flush=True)
+            return
+        title = f"{self.title} {elapsed_s:.0f}s"
+        self.live.update(render(status, self.rate.update(status), title), refresh=True)
+
+    def close(self) -> None:
+        """Leaves the last table on screen."""
+        if self.live is not None:
+            self.live.stop()

@@ -39,6 +39,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     names = sorted(p.stem[len("bench_") :] for p in (ROOT / "tools").glob("bench_*.py"))
+    # calibration reads the runs that chaos produces, so it goes after it.
+    names.sort(key=lambda n: n == "calibration")
     chosen = [] if args.collect else ([n for n in args.only.split(",") if n] or names)
     unknown = sorted(set(chosen) - set(names))
     if unknown:

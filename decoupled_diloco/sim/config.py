@@ -46,6 +46,10 @@ class SimConfig:
             off the critical path and joins at a step boundary, pausing its group only
             `upscale_switch_s` instead of `upscale_s`. Applies to elastic DP and to learners.
         upscale_switch_s: Pause of a background upscale.
+        dp_spares: Whether a DP restart swaps spare slices in for failed ones (the default, and
+            the paper's setting), so failures during a restart are absorbed by it. False: no
+            spares, the restart waits for the failed slice, so a failure during a restart starts
+            it over (a local chaos run, where a killed learner must be restarted; calibration).
         seed: Seed of the failure schedule (the same schedule is used for every system).
     """
 
@@ -69,6 +73,7 @@ class SimConfig:
     salvage_on_failure: bool = False
     background_upscale: bool = False
     upscale_switch_s: float = 1.0
+    dp_spares: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

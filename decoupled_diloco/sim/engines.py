@@ -72,7 +72,8 @@ def simulate_dp(cfg: SimConfig, schedule: FailureSchedule) -> SystemResult:
     Modelling choices (see docs/simulator.md): the job always runs at full size, because a restart
     swaps spare slices in for failed ones; failures that arrive during a restart are absorbed by
     it (the restart re-forms the job from whatever is healthy when it completes); a failure during
-    a checkpoint write loses that checkpoint; the final step needs no checkpoint.
+    a checkpoint write loses that checkpoint; the final step needs no checkpoint. With
+    `cfg.dp_spares` False there is no spare: a failure during a restart starts it over.
     """
     every = checkpoint_every_steps(cfg)
     step_s = cfg.step_s * straggler_slowdown(cfg.num_slices * cfg.slice_chips, cfg)
@@ -106,6 +107,13 @@ def simulate_dp(cfg: SimConfig, schedule: FailureSchedule) -> SystemResult:
         restarts += 1
         t = fail + cfg.restart_s
         idx = int(np.searchsorted(times, t, side="right"))  # absorbs failures during the restart
+        if not cfg.dp_spares:
+            # No spare to swap in: a failure during the restart kills it, and it starts over once
+            # that slice is back, so the restart ends restart_s after the last failure inside it.
+            while times[idx - 1] > fail:
+                fail = float(times[idx - 1])
+                t = fail + cfg.restart_s
+                idx = int(np.searchsorted(times, t, side="right"))
     return SystemResult(
         system="dp",
         goodput=cfg.ideal_s / finish,

@@ -106,6 +106,7 @@ def goodput_from_schedule(
     sync_every_steps: int = 24,
     startup_s: float = 0.0,
     quorum: int = 1,
+    spares: bool = True,
 ) -> SystemResult:
     """Predicts the goodput of a small run from its explicit failure schedule (calibration hook).
 
@@ -129,6 +130,9 @@ def goodput_from_schedule(
         sync_every_steps: H of the decoupled run.
         startup_s: Start-up time before the first step.
         quorum: K of the decoupled run.
+        spares: DP only: whether a restart swaps in a spare for the failed learner. A local
+            chaos run has none (the killed learner itself is restarted), so a kill during a
+            restart starts it over; pass False there.
 
     Returns:
         The simulated result; `goodput` is comparable to the chaos run's measured goodput.
@@ -154,6 +158,7 @@ def goodput_from_schedule(
         num_learners=num_learners,
         quorum=quorum,
         sync_every_steps=sync_every_steps,
+        dp_spares=spares,
     )
     for _, learner in failures:
         if not 0 <= learner < num_learners:
