@@ -62,6 +62,10 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _shard_number(path: pathlib.Path) -> int:
+    return int(path.stem.split("_")[1])
+
+
 def main(argv: list[str]) -> None:
     """Fetches and prints the status."""
     del argv
@@ -71,7 +75,9 @@ def main(argv: list[str]) -> None:
         port_file, token_file = workdir / "syncer.port", str(workdir / "run_token")
         if not port_file.exists() or not pathlib.Path(token_file).exists():
             sys.exit(f"{workdir}: no syncer.port or run_token; is a decoupled run going on there?")
-        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        # Shard 0 writes syncer.port, shard s > 0 syncer_s.port (see launch._start_syncers).
+        port_files = [port_file, *sorted(workdir.glob("syncer_*.port"), key=_shard_number)]
+        address = ",".join(f"127.0.0.1:{f.read_text().strip()}" for f in port_files)
     token = pathlib.Path(token_file).read_text().strip() if token_file else ""
     shards = len(parse_addresses(address))  # HOST:PORT,HOST:PORT...: a sharded syncer
     config = SyncerConfig(tls_cert=_TLS_CERT.value, retries=1, rpc_timeout_s=10.0, shards=shards)
