@@ -20,7 +20,7 @@ def get_config():
         dataclasses.replace(
             base,
             num_learners=4,
-            train_steps=300,
+            train_steps=450,
             # Quorum 1: each merge holds about one learner, so a step of 1/M sums to about a
             # plain average over a round of all four.
             outer=dataclasses.replace(base.outer, lr=0.25),
