@@ -14,6 +14,7 @@ import pytest
 from decoupled_diloco import chaos
 from decoupled_diloco import timeline as tl
 from decoupled_diloco.launch import Processes
+from decoupled_diloco.procs import wait_until
 from decoupled_diloco.supervisor import EventLog, Supervisor, start_injector
 
 R = tl.Record
@@ -187,15 +188,6 @@ def test_controls_are_reread_when_the_file_changes(tmp_path):
     assert controls.get()["drop"] == 0.3 and controls.slowdown() == 1.0
 
 
-def _wait(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def test_supervisor_plays_a_schedule_on_real_processes(tmp_path):
     schedule = chaos.parse(
         {
@@ -216,7 +208,7 @@ def test_supervisor_plays_a_schedule_on_real_processes(tmp_path):
         supervisor.add("learner_1", sleeper, learners=[1])
         supervisor.start_thread()
         injector = start_injector(schedule, supervisor, tmp_path)
-        _wait(lambda: log.recoveries >= 3, 20, "the restart, the resume and the speed-up")
+        wait_until(lambda: log.recoveries >= 3, 20, "the restart, the resume and the speed-up")
         restarted = supervisor.children["learner_0"].proc
         assert restarted.pid != first.pid and restarted.poll() is None
         assert first.returncode == -9  # killed, not asked to stop
@@ -226,7 +218,7 @@ def test_supervisor_plays_a_schedule_on_real_processes(tmp_path):
         supervisor.check()  # a killed child is not an error
         # A child that dies on its own is one.
         supervisor.children["learner_1"].proc.kill()
-        _wait(lambda: supervisor.error is not None, 10, "the unexpected death to be noticed")
+        wait_until(lambda: supervisor.error is not None, 10, "the unexpected death to be noticed")
         with pytest.raises(RuntimeError, match="learner_1 exited with code -9"):
             supervisor.check()
     finally:

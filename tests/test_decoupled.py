@@ -11,12 +11,12 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.procs import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multiprocess-test-token"
@@ -70,16 +70,6 @@ def _launch(workdir, *args):
     )
 
 
-def _wait(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def _cleanup(proc, workdir):
     if proc.poll() is None:
         proc.kill()
@@ -131,7 +121,7 @@ def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path
     )
     try:
         port_file = tmp_path / "syncer.port"
-        _wait(port_file.exists, 120, "the syncer's port file")
+        wait_until(port_file.exists, 120, "the syncer's port file")
         client = SyncerClient(
             f"127.0.0.1:{port_file.read_text()}", config_lib.SyncerConfig(), TOKEN
         )
@@ -140,7 +130,7 @@ def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path
             learners = client.status()["learners"]
             return learners if learners.get("0", {}).get("state") == "done" else None
 
-        learners = _wait(fast_done, 180, "the fast learner to finish")
+        learners = wait_until(fast_done, 180, "the fast learner to finish")
         client.close()
         # Quorum 1: the fast learner never waited for the 5x slower one.
         assert learners["0"]["step"] == steps
@@ -148,6 +138,6 @@ def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path
         assert proc.poll() is None and _children_of(tmp_path)  # the slow learner trains on
         proc.send_signal(signal.SIGINT)  # Ctrl+C
         proc.wait(timeout=60)
-        _wait(lambda: not _children_of(tmp_path), 30, "every child process to exit")
+        wait_until(lambda: not _children_of(tmp_path), 30, "every child process to exit")
     finally:
         _cleanup(proc, tmp_path)

@@ -11,7 +11,6 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -19,6 +18,7 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco import launch
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.multihost import ProcessGroup, local_device_count
+from decoupled_diloco.procs import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multihost-test-token"
@@ -47,16 +47,6 @@ def _env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["DD_RUN_TOKEN"] = TOKEN
     return env
-
-
-def _wait(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_process_group_and_config_are_checked():
@@ -154,7 +144,7 @@ def test_multihost_losing_one_process_restarts_only_its_island(tmp_path):
     client = None
     try:
         procs.start("syncer", launch.syncer_command(config_file, port_file))
-        _wait(port_file.exists, 180, "the syncer's port file")
+        wait_until(port_file.exists, 180, "the syncer's port file")
         address = f"127.0.0.1:{port_file.read_text()}"
 
         def start_island(i):
@@ -170,25 +160,25 @@ def test_multihost_losing_one_process_restarts_only_its_island(tmp_path):
             learners = client.status()["learners"]
             return [learners.get(str(i), {}).get("step", 0) for i in range(2)]
 
-        _wait(lambda: min(steps()) >= 16, 240, "both islands to train")
+        wait_until(lambda: min(steps()) >= 16, 240, "both islands to train")
         victim = procs.procs["learner_1_p1"]
         victim.kill()
         victim.wait()
         # The island's leader follows (a collective error or a missed heartbeat) ...
         leader = procs.procs["learner_1"]
-        _wait(lambda: leader.poll() is not None, 120, "island 1's leader to go down")
+        wait_until(lambda: leader.poll() is not None, 120, "island 1's leader to go down")
         assert leader.returncode != 0
         # ... while island 0 keeps training.
         at_loss = steps()
-        _wait(lambda: steps()[0] >= at_loss[0] + 16, 120, "island 0 to keep stepping")
+        wait_until(lambda: steps()[0] >= at_loss[0] + 16, 120, "island 0 to keep stepping")
         assert all(procs.procs[n].poll() is None for n in ("learner_0", "learner_0_p1"))
         # The island restarts as a whole and rejoins: it registers again, takes the global
         # fragments and trains from its first step.
         start_island(1)
         log = tmp_path / "logs" / "learner_1.log"
-        _wait(lambda: log.read_text().count("joined at versions") == 2, 240, "the rejoin")
+        wait_until(lambda: log.read_text().count("joined at versions") == 2, 240, "the rejoin")
         # Both processes restore the island's last checkpoint (collectively), then train on.
-        restored = _wait(
+        restored = wait_until(
             lambda: [x for x in log.read_text().splitlines() if "restored step" in x],
             240,
             "the island's restore",
@@ -196,7 +186,7 @@ def test_multihost_losing_one_process_restarts_only_its_island(tmp_path):
         assert int(restored[-1].split("restored step ")[1].split()[0]) >= 8
         rejoined = steps()[1]
         restarted = procs.procs["learner_1"]
-        _wait(lambda: steps()[1] >= rejoined + 16, 240, "island 1 to train again")
+        wait_until(lambda: steps()[1] >= rejoined + 16, 240, "island 1 to train again")
         assert restarted.poll() is None and procs.procs["learner_1_p1"].poll() is None
         learner_1 = client.status()["learners"]["1"]
         assert learner_1["state"] == "training" and min(learner_1["versions"]) >= 1

@@ -25,7 +25,7 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.launch import GlobalEvaluator, write_config_file
-from decoupled_diloco.procs import free_port
+from decoupled_diloco.procs import free_port, wait_until
 from decoupled_diloco.syncer import SyncerServer
 from tests.conftest import tiny_config
 
@@ -120,11 +120,11 @@ def test_corrupt_syncer_snapshot_falls_back_with_a_warning_and_the_log_loses_not
         client.register(0, server.fingerprint)
         assert _push(client, server, 0, 0, 0, seed=1).accepted
         assert client.pull(0, 0, 1, wait_s=30)[0] == 1
-        _wait(lambda: snapshots.all_steps()[-1] == server.state.seq, 30, "a snapshot")
+        wait_until(lambda: snapshots.all_steps()[-1] == server.state.seq, 30, "a snapshot")
         previous = snapshots.all_steps()[-1]
         assert _push(client, server, 1, 0, 0, seed=2).accepted
         assert client.pull(0, 1, 1, wait_s=30)[0] == 1
-        _wait(lambda: snapshots.all_steps()[-1] > previous, 30, "a newer snapshot")
+        wait_until(lambda: snapshots.all_steps()[-1] > previous, 30, "a newer snapshot")
     finally:
         client.close()
         server.stop(0)
@@ -316,16 +316,6 @@ class Cluster:
             proc.wait()
 
 
-def _wait(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def _run_config(**overrides):
     base = tiny_config(
         mode="decoupled",
@@ -357,13 +347,13 @@ def test_learner_killed_mid_run_restores_rejoins_and_neither_replays_nor_hides_d
         cluster.start_syncer()
         for i in range(2):
             cluster.start_learner(i)
-        _wait(lambda: cluster.position(1) >= 60, 180, "learner 1 to pass two checkpoints")
+        wait_until(lambda: cluster.position(1) >= 60, 180, "learner 1 to pass two checkpoints")
         cluster.kill("learner_1")
         drawn = cluster.position(1)  # what the dead process had drawn
         survivor = cluster.position(0)
-        _wait(lambda: cluster.position(0) >= survivor + 20, 120, "learner 0 to keep stepping")
+        wait_until(lambda: cluster.position(0) >= survivor + 20, 120, "learner 0 to keep stepping")
         assert cluster.position(1) == drawn  # really down meanwhile
-        before = _wait(cluster.versions, 30, "the syncer's versions")
+        before = wait_until(cluster.versions, 30, "the syncer's versions")
         cluster.start_learner(1)  # the same command, under whatever process manager
         summaries = cluster.finish()
         log = cluster.log("learner_1")
@@ -404,23 +394,23 @@ def test_syncer_killed_in_the_middle_of_a_merge_loses_no_acknowledged_version(tm
                 seen.append(versions)
             return False
 
-        _wait(paused, 180, "the syncer to stop inside its 6th merge")
+        wait_until(paused, 180, "the syncer to stop inside its 6th merge")
         before = seen[-1] if seen else [0, 0]  # published (acknowledged) before the pause
         cluster.kill("syncer_0")
         position = cluster.position(0)
-        _wait(
+        wait_until(
             lambda: cluster.position(0) >= position + 15,
             120,
             "the learner to keep stepping while the syncer is down",
         )
         cluster.start_syncer()
-        after = _wait(cluster.versions, 120, "the restarted syncer")
+        after = wait_until(cluster.versions, 120, "the restarted syncer")
         assert all(a >= b for a, b in zip(after, before, strict=True)), (after, before)
         assert "resumed from commit" in cluster.log("syncer_0")
         summaries = cluster.finish()
         assert all(x["steps"] == STEPS and not x["errors"] for x in summaries), summaries
         assert sum(x["retries"] for x in summaries) > 0  # pushes waited out the outage
-        final = _wait(cluster.versions, 30, "the final versions")
+        final = wait_until(cluster.versions, 30, "the final versions")
         assert sum(final) > sum(after)  # merges went on after the restart
         assert cluster.eval_loss() < 4.5
     finally:
@@ -437,17 +427,17 @@ def test_with_two_shards_killing_one_leaves_the_other_shards_fragments_advancing
         for shard in range(2):
             cluster.start_syncer(shard)
         cluster.start_learner(0)
-        _wait(lambda: (cluster.versions(1) or [0, 0])[1] >= 2, 180, "shard 1 to merge")
+        wait_until(lambda: (cluster.versions(1) or [0, 0])[1] >= 2, 180, "shard 1 to merge")
         cluster.kill("syncer_1")
-        down = _wait(cluster.versions, 30, "shard 0")[0]
-        _wait(
+        down = wait_until(cluster.versions, 30, "shard 0")[0]
+        wait_until(
             lambda: (cluster.versions(0) or [-1])[0] >= down + 4,
             120,
             "shard 0's fragment to advance",
         )
         assert cluster.versions(1) is None and cluster.procs["syncer_1"].poll() is not None
         cluster.start_syncer(1)  # from its own checkpoint
-        assert _wait(lambda: cluster.versions(1), 120, "shard 1 back")[1] >= 2
+        assert wait_until(lambda: cluster.versions(1), 120, "shard 1 back")[1] >= 2
         summaries = cluster.finish()
         assert all(x["steps"] == STEPS and not x["errors"] for x in summaries), summaries
         assert cluster.eval_loss() < 4.5
