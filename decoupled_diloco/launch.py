@@ -155,18 +155,18 @@ class Processes:
     ) -> subprocess.Popen:
         """Starts one child, with `env` added to the common environment.
 
-        Its stdout and stderr go to `log_dir/NAME.log`.
+        Its stdout and stderr go to `log_dir/NAME.log`. The child follows its parent's death by
+        calling `procs.die_with_parent` itself (no `preexec_fn`: see there why).
         """
-        from decoupled_diloco.procs import die_with_parent
+        from decoupled_diloco.procs import PARENT_PID_ENV
 
         with (self.log_dir / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**self.env, **(env or {})},
+                env={**self.env, **(env or {}), PARENT_PID_ENV: str(os.getpid())},
                 cwd=pathlib.Path(__file__).resolve().parent.parent,
-                preexec_fn=die_with_parent,
             )
         self.procs[name] = proc
         return proc

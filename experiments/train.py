@@ -57,4 +57,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from decoupled_diloco.procs import die_with_parent
+
+    die_with_parent()  # a no-op unless our own launcher (a chaos supervisor) started this
     app.run(main)

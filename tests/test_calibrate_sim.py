@@ -2,6 +2,7 @@
 hand-made run directory in the real on-disk format (timelines, metrics.jsonl, summary.json)."""
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -41,7 +42,7 @@ def run_dir(tmp_path: pathlib.Path) -> pathlib.Path:
         _rec(0, 2, "restoring"),
         _rec(0, 3, "compiling", 1),
         *_steps(0, 2, 11, 5),  # 5..15
-        _rec(0, 15, "checkpointing"),
+        _rec(0, 15, "checkpointing", 11),
         *_steps(0, 12, 20, 15.5),  # 15.5..24.5
         _rec(0, 24.5, "done"),
     ]
@@ -78,6 +79,11 @@ def run_dir(tmp_path: pathlib.Path) -> pathlib.Path:
         "checkpoint": {"every": 10},
     }
     (tmp_path / "summary.json").write_text(json.dumps({"config": config, "goodput": 0.5}))
+    # The checkpoint learner 0 started at 15 s, committed (Orbax's marker) at 15.7 s.
+    marker = tmp_path / "checkpoints" / "learner_0" / "11" / "commit_success.txt"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("")
+    os.utime(marker, (T0 + 15.7, T0 + 15.7))
     return tmp_path
 
 
@@ -85,12 +91,15 @@ def test_extract_reads_schedule_and_times(run_dir: pathlib.Path) -> None:
     facts = calibrate_sim.extract(run_dir)
     assert facts.mode == "decoupled" and facts.num_learners == 2 and facts.train_steps == 20
     assert facts.checkpoint_every == 10 and facts.sync_every_steps == 8
-    assert facts.kills == [(pytest.approx(10.9), 1)]
-    assert facts.restart_s == pytest.approx(30.8 - 10.9)  # kill -> process started again
+    # Timed by the supervisor's `down` record (10.8), not the fault event logged after it.
+    assert facts.kills == [(pytest.approx(10.8), 1)]
+    assert facts.restart_s == pytest.approx(30.8 - 10.8)  # kill -> process started again
     assert facts.rejoin_s == pytest.approx(38.0 - 30.8)  # started -> first counted step
     assert facts.startup_s == pytest.approx(5.0)  # both learners: first record -> first step
     # The step cut by the kill (0.8 s) is left out; every other step took 1 s.
     assert facts.step_s == pytest.approx(1.0)
+    assert facts.checkpoint_s == pytest.approx(0.5)
+    assert facts.commit_s == pytest.approx(0.7)
     assert facts.steps_done == 20 and not facts.capped
     assert facts.window_s == pytest.approx(57.0)
     assert facts.first_done_s == pytest.approx(24.5)
@@ -100,9 +109,41 @@ def test_extract_reads_schedule_and_times(run_dir: pathlib.Path) -> None:
     assert facts.goodput == pytest.approx(38.0 / (24.5 + 37.0))
 
 
-def test_predict_bills_like_the_run(run_dir: pathlib.Path) -> None:
+def test_predict_decoupled_runs_learners_with_their_own_budgets(run_dir: pathlib.Path) -> None:
     facts = calibrate_sim.extract(run_dir)
     pred = calibrate_sim.predict(facts)
+    # By hand (step 1 s, start-up 5 s, checkpoint every 10 steps taking 0.5 s): learner 0 runs
+    # steps 2-10 5..14, checkpoint ..14.5, steps 11-20 ..24.5, last checkpoint ..25: done at 25.
+    # Learner 1 is killed at 10.8, before any checkpoint: down until 30.8, first step 2 at
+    # 30.8 + 7.2 = 38, then as learner 0 from 5: done at 58. Productive 19 s each (step 1
+    # compiles); allocated 25 + (58 - 20 down).
+    assert pred.system == "budgets"
+    assert pred.wall_s == pytest.approx(58.0)
+    assert pred.goodput == pytest.approx(38.0 / (25.0 + 38.0))
+    # Steps 1-6 ran and 7 was cut by the kill; all 7 run again: 7 lost steps.
+    assert pred.lost_steps == 7 and pred.kills_hit == 1
+    res = goodput_from_schedule(
+        "decoupled",
+        facts.kills,
+        num_learners=2,
+        total_steps=20,
+        step_s=1.0,
+        restart_s=20.0,
+        rejoin_s=7.2,
+        startup_s=5.0,
+        checkpoint_every_steps=10,
+        checkpoint_s=0.5,
+        checkpoint_commit_s=0.7,
+        step_budgets=True,
+    )
+    assert res.goodput == pytest.approx(pred.goodput)
+    line = calibrate_sim.row("synthetic", facts)
+    assert line.count("|") == calibrate_sim.HEADER.count("|")
+
+
+def test_predict_pooled_bills_like_the_run(run_dir: pathlib.Path) -> None:
+    facts = calibrate_sim.extract(run_dir)
+    pred = calibrate_sim.predict(facts, pooled=True)
     res = goodput_from_schedule(
         "decoupled",
         facts.kills,
@@ -113,13 +154,12 @@ def test_predict_bills_like_the_run(run_dir: pathlib.Path) -> None:
         rejoin_s=facts.rejoin_s,
         startup_s=5.0,
         checkpoint_every_steps=10,
+        checkpoint_s=0.5,
         sync_every_steps=10,  # H := the checkpoint cadence
     )
     assert pred.sim_goodput == pytest.approx(res.goodput)
     # Same run, the run's definition: the down time (restart_s of learner 1) is not billed.
     assert pred.goodput == pytest.approx(2 * 20 / (2 * res.wall_s - facts.restart_s))
-    line = calibrate_sim.row("synthetic", facts)
-    assert line.count("|") == calibrate_sim.HEADER.count("|")
 
 
 def test_extract_rejects_a_directory_that_is_not_a_run(tmp_path: pathlib.Path) -> None:

@@ -8,6 +8,7 @@ the differences. Issue 6's target: predicted within ±5 points of measured.
 """
 
 import argparse
+import dataclasses
 import datetime
 import pathlib
 import sys
@@ -39,31 +40,88 @@ def default_runs() -> list[pathlib.Path]:
     ]
 
 
+def restores_explained(facts: calibrate_sim.RunFacts, run: pathlib.Path) -> tuple[int, int]:
+    """How many kills restored the checkpoint the model's rule picks, applied to the real run.
+
+    The rule (sim/budgets.py): the newest checkpoint whose `checkpointing` record started at
+    least the commit latency before the kill. Applied to the learner's *real* timeline, it
+    checks the loss rule alone, apart from where the simulated learner happens to be.
+
+    Returns:
+        (kills whose real restore the rule picks, kills followed by a restore).
+    """
+    records = timeline_lib.load(run / "timeline")
+    t0 = min(r[0].t for r in records.values() if r)
+    commit = facts.commit_s if facts.commit_s is not None else facts.checkpoint_s
+    hits = total = 0
+    for t, learner in facts.kills:
+        kill = t0 + t
+        durable: list[tuple[float, int]] = []
+        for r in records[learner]:
+            if r.t >= kill:
+                break
+            if r.state == "checkpointing":
+                durable.append((r.t + commit, r.step))
+            elif r.state == "down":  # an earlier kill: uncommitted saves are gone
+                durable = [(at, step) for at, step in durable if at <= r.t]
+        picked = max([step for at, step in durable if at <= kill], default=0)
+        real = next(
+            (r.step - 1 for r in records[learner] if r.t > kill and r.state == "compiling"), None
+        )
+        if real is not None:
+            total += 1
+            hits += picked == real
+    return hits, total
+
+
 def gaps(run: pathlib.Path) -> str | None:
-    """A markdown row of what the simulator leaves out, for a decoupled run with kills."""
+    """A markdown row of how the per-learner model's losses compare, for a decoupled run."""
     facts = calibrate_sim.extract(run)
     if facts.mode != "decoupled" or not facts.kills:
         return None
     pred = calibrate_sim.predict(facts)
     stats = timeline_lib.analyze(timeline_lib.load(run / "timeline")).learners.values()
     allocated = sum(s.allocated_s for s in stats)
-    lost = sum(s.lost_steps for s in stats)
-    unmodelled = sum(
-        s.by_state.get(k, 0.0) for s in stats for k in ("checkpointing", "waiting", "blocked")
-    )
+    unmodelled = sum(s.by_state.get(k, 0.0) for s in stats for k in ("waiting", "blocked"))
     kills = len(facts.kills)
-    per_kill = lost / kills
-    worth = 100 * (per_kill - facts.checkpoint_every / 2) * kills * facts.step_s / allocated
-    late = ", ".join(f"{t:.0f}" for t, _ in facts.kills if t > pred.wall_s) or "none"
+    hits, restores = restores_explained(facts, run)
     cells = [
         f"{run.parent.name}/{run.name}",
-        f"{per_kill:.1f}",
+        f"{sum(s.lost_steps for s in stats) / kills:.1f}",
+        f"{(pred.lost_steps or 0) / kills:.1f}",
         f"{facts.checkpoint_every / 2:.1f}",
-        f"{worth:.1f}",
+        f"{kills - (pred.kills_hit or 0)}",
+        f"{facts.commit_s:.2f}" if facts.commit_s is not None else "—",
+        f"{hits} of {restores}",
         f"{100 * unmodelled / allocated:.1f}",
-        late,
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+SCALES = (0.96, 0.98, 1.0, 1.02, 1.04)
+
+
+def sensitivity(run: pathlib.Path) -> str | None:
+    """A markdown row: the per-learner prediction's diff with some inputs changed.
+
+    Why: each kill's loss depends on where the simulated learner is between checkpoints when it
+    lands, so a small change of step time (scaled by SCALES) moves every kill's phase; this
+    shows how much of a prediction is that phase. The last two columns take out the checkpoint
+    cost, and the commit latency (a checkpoint counts once its blocking part ends).
+    """
+    facts = calibrate_sim.extract(run)
+    if facts.mode != "decoupled" or not facts.kills:
+        return None
+    variants = [dataclasses.replace(facts, step_s=facts.step_s * k) for k in SCALES] + [
+        dataclasses.replace(facts, checkpoint_s=0.0, commit_s=0.0),
+        dataclasses.replace(facts, commit_s=None),
+    ]
+    diffs = [calibrate_sim.predict(v).goodput - facts.goodput for v in variants]
+    return (
+        "| "
+        + " | ".join([f"{run.parent.name}/{run.name}"] + [f"{100 * d:+.1f}" for d in diffs])
+        + " |"
+    )
 
 
 def verdict(runs: list[pathlib.Path]) -> str:
@@ -100,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         "## Calibration: the goodput simulator vs measured local chaos runs (issue 6)\n",
         f"Run {datetime.date.today().isoformat()} on {machine_description()}: "
         f"`python -m tools.bench_calibration --out={args.out}`, which is "
-        f"`python -m tools.calibrate_sim {rel}` (and `--real_h` for the second table). "
+        f"`python -m tools.calibrate_sim {rel}` (and `--pooled` for the second table). "
         "Inputs are measured from each run's timelines and fault events "
         "(method: `tools/calibrate_sim.py` docstring, docs/simulator.md 'Calibration'). "
         "'whole run' compares the whole run (a capped run: its window up to the cap); "
@@ -109,22 +167,37 @@ def main(argv: list[str] | None = None) -> None:
         "Target: predicted within ±5 points of measured.\n",
         *calibrate_sim.table(runs),
         "",
-        "Sensitivity: decoupled runs with H = the run's sync period (`inner_steps`) instead of "
-        "the checkpoint cadence as the simulator's per-failure loss (`--real_h`):\n",
+        "For comparison, the model used before (`--pooled`): the paper-scale engine, which "
+        "pools the learners' work (no per-learner budget, so no end-of-run tail) and charges "
+        "each kill the average loss H/2 with H := the checkpoint cadence:\n",
         *calibrate_sim.table(
-            [r for r in runs if calibrate_sim.extract(r).mode == "decoupled"], real_h=True
+            [r for r in runs if calibrate_sim.extract(r).mode == "decoupled"], pooled=True
         ),
         "",
-        "What the simulator leaves out, per decoupled run with kills: measured lost (re-executed) "
-        "steps per kill vs the modelled C/2; the goodput points that difference is worth "
-        "(extra lost steps × step time / allocated); the share of allocated time spent "
-        "checkpointing, waiting or blocked (no such state in the decoupled engine); and kills "
-        "after the simulated finish (they hit the real run's tail, which the pooled simulation "
-        "does not have):\n",
-        "| run | lost steps per kill, measured | modelled (C/2) | worth (points) "
-        "| checkpointing+waiting+blocked (% of allocated) | kills after simulated finish (at s) |",
-        "|---|---:|---:|---:|---:|---|",
+        "Losses per decoupled run with kills: lost (re-executed) steps per kill, measured, by "
+        "the per-learner model (the steps since the learner's newest committed checkpoint at "
+        "each kill) and by the pooled model (C/2); kills the per-learner model refuses (its "
+        "learner is already done or down then; the real run's learner was up); the measured "
+        "checkpoint commit latency the model uses; for how many kills the model's restore "
+        "rule (the newest checkpoint started at least the commit latency before the kill), "
+        "applied to the real run's timeline, picks the checkpoint the real learner restored; "
+        "and the share of allocated time spent waiting or blocked, which no model has:\n",
+        "| run | lost steps per kill, measured | per-learner model | pooled (C/2) "
+        "| kills refused by the model | commit latency s | restore rule on the real timeline "
+        "| waiting+blocked (% of allocated) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
         *[g for g in (gaps(r) for r in runs) if g],
+        "",
+        "Phase sensitivity of the per-learner model (diff in points, whole run) with the "
+        "measured step time scaled (each kill's loss depends on where the simulated learner is "
+        "between two checkpoints when it lands, which a small change of step time moves), "
+        "without the checkpoint cost (checkpoints take no time and commit at once), and "
+        "without the commit latency (a checkpoint counts once its blocking part ends):\n",
+        "| run | "
+        + " | ".join(f"step × {k:g}" for k in SCALES)
+        + " | no checkpoint cost | no commit latency |",
+        "|---|" + "---:|" * (len(SCALES) + 2),
+        *[g for g in (sensitivity(r) for r in runs) if g],
         "",
         verdict(runs),
         "",
@@ -135,16 +208,21 @@ def main(argv: list[str] | None = None) -> None:
         "`spares=False`: a kill during a restart starts the restart over. With spares (the "
         "paper-scale default, which absorbs such kills) the prediction is far too high "
         "(see docs/simulator.md, 'Calibration').",
-        "- decoupled runs give each learner a fixed share of steps; a learner that finishes is "
-        "released, and the learners that lost time to failures finish later, in a tail. The "
-        "simulator pools the work of all learners, so it has no tail: kills that land in the "
-        "real tail (last column above) cost the real run and not the simulated one. Over the "
-        "window in which every learner still has work the two run alike.",
-        "- The rest of the decoupled gap is what the simulator leaves out (table above): more "
-        "re-executed steps per kill than C/2 (a kill at or just after a checkpoint step can "
-        "find the asynchronous checkpoint unfinished, and the learner restores the one "
-        "before: ft_chaos_0/1 were killed at step 120, a checkpoint step, and re-executed 20 "
-        "steps), and checkpointing, waiting and blocked time.",
+        "- decoupled runs are simulated per learner (`decoupled_diloco/sim/budgets.py`): each "
+        "learner has its own step budget and is released when done, so a learner that lost "
+        "time to kills finishes late and kills in that tail count; each kill loses the steps "
+        "since the learner's newest committed checkpoint (a save commits `commit latency` "
+        "after it starts, measured from the Orbax commit markers of the checkpoints the run "
+        "kept). The model writes timelines and its goodput is computed from them by the run's "
+        "own function (`timeline.analyze`), so prediction and measurement share definition "
+        "and window, uptime included.",
+        "- What the per-learner model still leaves out: the real step time depends on how many "
+        "learners share the 2 CPU cores (a learner stepping alone is several times faster), "
+        "while the model uses the run's mean step time for every step. So the simulated "
+        "learners are at other steps than the real ones when a kill lands, and the loss of "
+        "each kill differs from the measured one, kill by kill (the totals are in the table "
+        "above); the simulated last learner also finishes at a different time. Waiting and "
+        "blocked time (last column) are not modelled either.",
     ]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

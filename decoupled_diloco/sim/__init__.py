@@ -10,6 +10,7 @@ from decoupled_diloco.sim.analytic import (
     estimate_goodput,
     young_interval_s,
 )
+from decoupled_diloco.sim.budgets import budget_result, budget_timelines, learner_timeline
 from decoupled_diloco.sim.config import (
     SYSTEMS,
     SimConfig,
@@ -31,6 +32,8 @@ __all__ = [
     "FailureSchedule",
     "SimConfig",
     "SystemResult",
+    "budget_result",
+    "budget_timelines",
     "checkpoint_every_steps",
     "daly_interval_s",
     "dp_goodput_first_order",
@@ -38,6 +41,7 @@ __all__ = [
     "estimate_goodput",
     "explicit_schedule",
     "goodput_from_schedule",
+    "learner_timeline",
     "poisson_schedule",
     "run_on_schedule",
     "simulate",

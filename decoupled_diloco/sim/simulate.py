@@ -4,6 +4,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from decoupled_diloco.sim.analytic import estimate_goodput
+from decoupled_diloco.sim.budgets import budget_result, budget_timelines
 from decoupled_diloco.sim.config import SYSTEMS, SimConfig
 from decoupled_diloco.sim.engines import ENGINES, HorizonTooShortError, SystemResult
 from decoupled_diloco.sim.failures import FailureSchedule, explicit_schedule, poisson_schedule
@@ -107,6 +108,8 @@ def goodput_from_schedule(
     startup_s: float = 0.0,
     quorum: int = 1,
     spares: bool = True,
+    step_budgets: bool = False,
+    checkpoint_commit_s: float | None = None,
 ) -> SystemResult:
     """Predicts the goodput of a small run from its explicit failure schedule (calibration hook).
 
@@ -133,10 +136,33 @@ def goodput_from_schedule(
         spares: DP only: whether a restart swaps in a spare for the failed learner. A local
             chaos run has none (the killed learner itself is restarted), so a kill during a
             restart starts it over; pass False there.
+        step_budgets: Decoupled only: simulate each learner with its own budget of
+            `total_steps` steps and exact checkpoint rollback (`sim.budgets`, the model the
+            calibration uses) instead of pooling the learners' work with an average loss per
+            failure (the paper-scale engine, the default). Goodput is then in the chaos run's
+            own definition (down time not billed, a learner released when done).
+        checkpoint_commit_s: With `step_budgets`: time from a checkpoint's start until it can
+            be restored (asynchronous save); default `checkpoint_s`.
 
     Returns:
         The simulated result; `goodput` is comparable to the chaos run's measured goodput.
     """
+    if step_budgets:
+        if system != "decoupled":
+            raise ValueError(f"step_budgets applies to decoupled runs only, not {system!r}")
+        timelines = budget_timelines(
+            failures,
+            num_learners=num_learners,
+            steps=total_steps,
+            step_s=step_s,
+            startup_s=startup_s,
+            restart_s=restart_s,
+            rejoin_s=rejoin_s,
+            checkpoint_every=checkpoint_every_steps,
+            checkpoint_s=checkpoint_s,
+            commit_s=checkpoint_commit_s,
+        )
+        return budget_result(timelines)
     reconfigure_s = rejoin_s if reconfigure_s is None else reconfigure_s
     cfg = SimConfig(
         num_chips=num_learners,

@@ -1,0 +1,76 @@
+"""Child-process hygiene: children of our launcher die with it, hand-started processes do not."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+from decoupled_diloco import procs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# A child that asks to die with its parent, says its pid, then waits to be killed.
+CHILD = "from decoupled_diloco.procs import die_with_parent; import os, time; die_with_parent(); print(os.getpid(), flush=True); time.sleep(600)"  # noqa: E501
+
+# A launcher that starts CHILD through `launch.Processes`, reports the child's pid, and waits.
+LAUNCHER = textwrap.dedent(f"""
+    import pathlib, sys, time
+    from decoupled_diloco import launch
+    from decoupled_diloco.procs import wait_until
+    procs = launch.Processes(pathlib.Path(sys.argv[1]), {{}})
+    procs.start("child", [sys.executable, "-c", {CHILD!r}])
+    log = pathlib.Path(sys.argv[1]) / "child.log"
+    print(wait_until(lambda: log.exists() and log.read_text().strip(), 60, "the child"), flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie waiting for its (dead) parent's reaper counts as gone.
+    stat = pathlib.Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_children_of_a_launcher_killed_with_sigkill_follow_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    child = None
+    try:
+        child = int(launcher.stdout.readline())
+        assert _alive(child)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        procs.wait_until(lambda: not _alive(child), 60, "the child to follow its launcher")
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+# Reads back the parent-death signal (prctl PR_GET_PDEATHSIG) after `die_with_parent`.
+GET_SIGNAL = "from decoupled_diloco.procs import die_with_parent; import ctypes; die_with_parent(); v = ctypes.c_int(); ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"  # noqa: E501
+
+
+def test_a_process_started_by_hand_is_left_alone():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GET_SIGNAL],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != procs.PARENT_PID_ENV},
+        cwd=ROOT,
+    )
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.split() == ["0"]  # no parent-death signal set
