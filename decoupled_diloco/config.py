@@ -233,6 +233,9 @@ class DecoupledConfig:
       overlap_steps: τ, inner steps between a fragment's push and applying its merged value.
       quorum: K, pushes that close a fragment's round (before the grace window).
       alpha: 0 overwrites a fragment with the merged value; α > 0 keeps α·local + (1−α)·global.
+      keep_overlap: on arrival, keep the τ steps trained while the fragment was in flight:
+        θ ← merged + (θ − θ_at_push) (as Streaming DiLoCo's eager updates keep local progress),
+        instead of overwriting them; those steps then enter the fragment's next push.
       grace_safety: γ, the share of the learner's slack spent waiting for more pushes (Eq. 3).
       ema_decay: decay of the syncer's moving averages of step, quorum and sync times.
       mesh_shapes: per-learner meshes, e.g. "1x1,2x1"; empty: every learner uses `mesh.shape`.
@@ -249,6 +252,7 @@ class DecoupledConfig:
     overlap_steps: int = 1
     quorum: int = 1
     alpha: float = 0.0
+    keep_overlap: bool = False
     grace_safety: float = 0.5
     ema_decay: float = 0.8
     mesh_shapes: str = ""
@@ -316,6 +320,20 @@ class CompressionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SupervisorConfig:
+    """How the local supervisor restarts learners that a fault schedule (`chaos`) killed.
+
+    Attributes:
+      standby: warm spare learner processes kept per learner mesh shape (decoupled mode,
+        single-process islands, under a fault schedule): a killed learner is restarted by
+        activating one (imports, devices and compiled step done ahead) instead of starting a
+        new process; 0: a new process (see docs/chaos.md).
+    """
+
+    standby: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """A whole run. Field names are the `--config.X` flags.
 
@@ -344,6 +362,7 @@ class ExperimentConfig:
       decoupled: the decoupled mode's fragments, quorum and syncer.
       compression: compression of the decoupled mode's outer gradients.
       moe: mixture-of-experts routing (model.kind "moe").
+      supervisor: restarts of killed learners (warm standby spares).
     """
 
     mode: str = "diloco"
@@ -365,6 +384,7 @@ class ExperimentConfig:
     decoupled: DecoupledConfig = DecoupledConfig()
     compression: CompressionConfig = CompressionConfig()
     moe: MoEConfig = MoEConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
 
     @property
     def devices_per_learner(self) -> int:
@@ -574,6 +594,23 @@ def _validate_compression(z: CompressionConfig) -> None:
     )
 
 
+def _validate_supervisor(c: ExperimentConfig) -> None:
+    standby = c.supervisor.standby
+    _check(0 <= standby <= 8, "supervisor.standby", f"must be in [0, 8], got {standby}")
+    if standby:
+        _check(
+            c.mode == "decoupled",
+            "supervisor.standby",
+            f"warm standby learners need mode 'decoupled' (mode {c.mode!r} restarts the whole "
+            "job as one process)",
+        )
+        _check(
+            c.decoupled.island_processes == 1,
+            "supervisor.standby",
+            "warm standby learners need single-process islands (decoupled.island_processes 1)",
+        )
+
+
 def _validate_model_kind(c: ExperimentConfig) -> None:
     m, moe, dataset = c.model, c.moe, c.data.dataset
     _check(m.kind in MODEL_KINDS, "model.kind", f"unknown kind {m.kind!r}; expected {MODEL_KINDS}")
@@ -697,6 +734,7 @@ def validate(config: ExperimentConfig, device_count: int | None = None) -> None:
         _validate_decoupled(c)
     _validate_compression(c.compression)
     _validate_model_kind(c)
+    _validate_supervisor(c)
     _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", "must be >= 0 (0: evaluate only at the end)")

@@ -302,6 +302,18 @@ def run_decoupled(
             f"{_python()} -m decoupled_diloco.status --workdir={_shown(workdir)} --watch",
             flush=True,
         )
+        if schedule is not None and config.supervisor.standby:  # warm spares for restarts
+            from decoupled_diloco.standby import Spares
+
+            shapes = config_lib.parse_mesh_shapes(config)
+            supervisor.spares = Spares(
+                procs,
+                workdir / "standby",
+                config_file,
+                shapes,
+                config.supervisor.standby,
+                workdir / "timeline",
+            )
         summaries = [workdir / f"learner_{i}.json" for i in range(config.num_learners)]
         for i in range(config.num_learners):
             summaries[i].unlink(missing_ok=True)

@@ -25,6 +25,7 @@ from concurrent import futures
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from decoupled_diloco import chaos, compression, tasks
@@ -53,6 +54,7 @@ class Inbound:
     version: int
     values: list[np.ndarray]
     apply_after_step: int
+    pushed_at: int = -1  # the step of the push this merge answers (-1: unknown)
 
 
 class Learner:
@@ -68,6 +70,7 @@ class Learner:
       token: the run token (default: config or `DD_RUN_TOKEN`).
       workdir: the run directory; with `checkpoint.every` > 0 the learner checkpoints into
         `workdir/checkpoints/learner_ID` and resumes from there (see `learner_recovery`).
+      island: a prebuilt island of this mesh (a warm standby's, see `standby`), else built here.
     """
 
     def __init__(
@@ -80,13 +83,14 @@ class Learner:
         slowdown: float = 1.0,
         token: str = "",
         workdir: str | pathlib.Path | None = None,
+        island: Island | None = None,
     ):
         t_construct = time.time()  # restart timing: imports are done by now
         self.config, self.id, self.slowdown = config, learner_id, slowdown
         shape = mesh_shape or parse_mesh_shapes(config)[learner_id]
         devices = devices or jax.devices()[: shape[0] * shape[1]]
         self.mesh_name = f"{shape[0]}x{shape[1]}"
-        self.island = Island(config, devices, mesh_shape=shape)
+        self.island = island or Island(config, devices, mesh_shape=shape)
         self.specs = F.tensor_specs(self.island.abstract_params)
         self.cut = F.partition(self.specs, config.decoupled.fragments)
         self.treedef = jax.tree.structure(self.island.abstract_params)
@@ -120,6 +124,8 @@ class Learner:
         self.next_due = [F.offset(p, num, config.inner_steps) for p in range(num)]
         self.fastest_step_s = 0.0
         self.inbox: dict[int, Inbound] = {}
+        # keep_overlap: per fragment, (step, device copy of θ) at its last push.
+        self.at_push: dict[int, tuple[int, list[jax.Array]]] = {}
         self.inbox_lock = threading.Lock()
         # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
         self.pool = futures.ThreadPoolExecutor(
@@ -251,7 +257,7 @@ class Learner:
                     held = self.inbox.get(p)
                     if held is None or held.version < version:
                         after = pushed_at + self.config.decoupled.overlap_steps
-                        self.inbox[p] = Inbound(version, values, after)
+                        self.inbox[p] = Inbound(version, values, after, pushed_at)
         except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
             if self.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
                 return
@@ -337,11 +343,16 @@ class Learner:
         leaves = self.treedef.flatten_up_to(state.params)
         alpha = self.config.decoupled.alpha
         for p, inbound in ready.items():
-            for spec, value in zip(self.cut[p], inbound.values, strict=True):
+            # With keep_overlap: the local progress since the push this merge answers.
+            at_push = self.at_push.pop(p, None)
+            if at_push is not None and at_push[0] != inbound.pushed_at:
+                at_push = None  # answers an older push: its overlap is in a newer push
+            for j, (spec, value) in enumerate(zip(self.cut[p], inbound.values, strict=True)):
                 placed = self._place(value, self.shardings[spec.index])
-                leaves[spec.index] = (
-                    placed if alpha == 0 else alpha * leaves[spec.index] + (1 - alpha) * placed
-                )
+                local = leaves[spec.index]
+                if at_push is not None:
+                    placed = placed + (local - at_push[1][j])
+                leaves[spec.index] = placed if alpha == 0 else alpha * local + (1 - alpha) * placed
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
         self.sync_host_s += time.perf_counter() - t0
         return InnerState(jax.tree.unflatten(self.treedef, leaves), state.opt_state)
@@ -352,6 +363,9 @@ class Learner:
         # the copy itself and not the compute it would otherwise absorb.
         jax.block_until_ready(leaves)
         t0 = time.perf_counter()
+        if self.config.decoupled.keep_overlap and not final:
+            # A device copy: the next step donates these buffers.
+            self.at_push[p] = (self.step, [jnp.copy(x) for x in leaves])
         if self.compressed:
             local = self._compress(p, leaves)
             self.compress_s += time.perf_counter() - t0
@@ -550,8 +564,8 @@ def _mesh_shape(config: ExperimentConfig, learner_id: int, override: str) -> tup
     return parse_mesh_shapes(config)[learner_id]
 
 
-def main(argv: list[str]) -> None:
-    """Parses flags, runs the learner, writes its summary."""
+def main(argv: list[str], warm: Any = None) -> None:
+    """Parses flags, runs the learner, writes its summary (`warm`: a `standby.Warm`)."""
     from absl import flags
 
     from decoupled_diloco import config as config_lib
@@ -584,7 +598,9 @@ def main(argv: list[str]) -> None:
             mesh_shape=shape,
             slowdown=slowdown,
             workdir=values.workdir or None,
+            island=warm.island if warm else None,
         )
+        learner.startup.update(warm.startup if warm else {})
     learner.connect()
     learner.startup["connected"] = time.time()
     print(f"[learner {learner.id}] joined at versions {learner.versions}", flush=True)
@@ -619,6 +635,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("coordinator", "", "Multi-process island: HOST:PORT of its process 0.")
     flags.DEFINE_integer("num_processes", 1, "Processes (hosts) forming this learner's island.")
     flags.DEFINE_integer("process_id", 0, "This process's index in its island (0: leader).")
+    flags.DEFINE_string("standby", "", "Warm standby: warm up, then wait in DIR (see standby).")
     die_with_parent()
 
     def _start(argv: list[str]) -> None:
@@ -641,7 +658,12 @@ if __name__ == "__main__":
             pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
         )
         try:
-            main(argv)
+            if flags.FLAGS.standby:  # a warm spare: set up now, told which learner later
+                from decoupled_diloco import standby
+
+                standby.serve(flags.FLAGS.standby, config, shape, main)
+            else:
+                main(argv)
         except KeyboardInterrupt:
             # Ctrl+C: leave now; background syncs hold no state worth waiting for.
             os._exit(130)

@@ -94,14 +94,31 @@ _PHASES = (
 
 
 def startup_line(times: dict[str, float]) -> str:
-    """'first step 4.1 s after the process started: imports 2.0 s, ...' from wall times."""
-    parts, last = [], times["process_start"]
-    for key, label in _PHASES:
-        if key in times:
+    """'first step 4.1 s after the process started: imports 2.0 s, ...' from wall times.
+
+    A warm standby (`standby`) counts from its activation (`activated`): what is left of its
+    warm-up if it was activated before it was ready, then the activation itself (flags, log),
+    and the same phases as a new process.
+    """
+    phases, origin = _PHASES, times["process_start"]
+    what = "the process started"
+    if "activated" in times:
+        origin = times["activated"]
+        what = (
+            f"activation of a warm standby (started {origin - times['process_start']:.1f} s before)"
+        )
+        phases = (
+            ("standby_ready", "rest of warm-up"),
+            ("constructing", "activation"),
+            *_PHASES[1:],
+        )
+    parts, last = [], origin
+    for key, label in phases:
+        if key in times and not (key == "standby_ready" and times[key] <= origin):
             parts.append(f"{label} {times[key] - last:.2f} s")
             last = times[key]
-    total = times.get("first_step", last) - times["process_start"]
-    return f"first step {total:.2f} s after the process started: " + ", ".join(parts)
+    total = times.get("first_step", last) - origin
+    return f"first step {total:.2f} s after {what}: " + ", ".join(parts)
 
 
 class DataJournal:

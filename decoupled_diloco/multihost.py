@@ -246,10 +246,11 @@ class MultihostLearner(Learner):
     def _take_ready(self) -> dict[int, Inbound]:
         """The leader's ready merges, agreed by every process (two broadcasts)."""
         ready = super()._take_ready() if self.group.is_leader else {}
-        versions = np.full(len(self.cut), -1, np.int32)
+        # Row 0: the version applied now per fragment (-1: none); row 1: the push it answers.
+        agreed = np.full((2, len(self.cut)), -1, np.int32)
         for p, inbound in ready.items():
-            versions[p] = inbound.version
-        versions = broadcast(versions)
+            agreed[:, p] = inbound.version, inbound.pushed_at
+        versions, pushed_at = broadcast(agreed)
         chosen = [p for p in range(len(self.cut)) if versions[p] >= 0]
         if not chosen:
             return {}
@@ -262,7 +263,7 @@ class MultihostLearner(Learner):
         values = broadcast(values)
         self._merged_now = chosen
         return {
-            p: Inbound(int(versions[p]), [np.asarray(x) for x in vals], 0)
+            p: Inbound(int(versions[p]), [np.asarray(x) for x in vals], 0, int(pushed_at[p]))
             for p, vals in zip(chosen, values, strict=True)
         }
 

@@ -4,9 +4,11 @@
 each carrying some learners. The chaos injector asks it to kill, pause or resume the process of
 a learner; a killed process is down for its repair time, then started again with the same
 command (a learner restores its checkpoint and rejoins; a syncer restores its state and listens
-on the same port). It records `down` (the failed learner's repair: not billed) and `waiting`
-(healthy learners of the same process, idled by the failure) in the timeline, and every fault
-and recovery in `metrics.jsonl`. A child that dies on its own is an error, reported with its log.
+on the same port), or, with `config.supervisor.standby`, by activating a warm spare learner
+process as it (`standby.Spares`). It records `down` (the failed learner's repair: not billed)
+and `waiting` (healthy learners of the same process, idled by the failure) in the timeline,
+and every fault and recovery in `metrics.jsonl`. A child that dies on its own is an error,
+reported with its log.
 
 `run_synchronous` runs `dp` or `diloco` under a fault schedule the way a real synchronous job
 lives: the whole job in one process, killed when any learner fails, restarted from its last
@@ -75,6 +77,7 @@ class Child:
     killed: bool = False  # the last death was ours
     paused: bool = False
     restarts: int = 0
+    warm: bool = False  # its process is an activated warm standby (`standby`)
 
 
 class Supervisor:
@@ -93,6 +96,8 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.down_until: dict[int, float] = {}  # learner -> end of its repair (monotonic)
         self.error: str | None = None
+        # `standby.Spares` (config.supervisor.standby): restarts activate warm spare learners.
+        self.spares: Any = None
         self._lock = threading.RLock()
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
@@ -116,10 +121,19 @@ class Supervisor:
     def _start(self, child: Child) -> None:
         if child.learners:
             self.timeline.enter("starting", learners=child.learners)
-        with warnings.catch_warnings():
-            # JAX warns on every fork of a process that imported it; the child execs at once.
-            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-            child.proc = self.procs.start(child.name, self._command(child), child.env)
+        spare = None
+        if self.spares is not None and child.restarts:  # a warm spare becomes the learner
+            spare = self.spares.activate(
+                child.name, self._command(child), child.learners, child.env
+            )
+        child.proc, child.warm = spare, spare is not None
+        if spare is None:
+            with warnings.catch_warnings():
+                # JAX warns on every fork of a process that imported it; the child execs at once.
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+                child.proc = self.procs.start(child.name, self._command(child), child.env)
+        if self.spares is not None and child.learners:
+            self.spares.note_start(child.name)
         child.restart_at, child.killed, child.paused = None, False, False
 
     @staticmethod
@@ -154,6 +168,8 @@ class Supervisor:
         """Restarts children whose repair is over; notes children that died on their own."""
         now = time.monotonic()
         with self._lock:
+            if self.spares is not None and self.error is None:
+                self.error = self.spares.poll()  # (starts spares; a dead one is an error)
             for child in self.children.values():
                 code = child.proc.poll() if child.proc else None
                 if child.restart_at is not None:
@@ -167,6 +183,7 @@ class Supervisor:
                                 "process": child.name,
                                 "learners": child.learners,
                                 "restarts": child.restarts,
+                                **({"warm_standby": child.warm} if self.spares else {}),
                             }
                         )
                 elif code not in (None, 0) and self.error is None:

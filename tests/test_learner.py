@@ -74,3 +74,29 @@ def test_two_learners_with_alpha_mixing_and_different_meshes_exchange_fragments(
         assert {m for rec in status["merge_log"] for m in rec["learners"]} == {0, 1}
     finally:
         server.stop(0)
+
+
+def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
+    from decoupled_diloco.learner import Inbound
+
+    config = _config(inner_steps=8, **{"decoupled.fragments": 2, "decoupled.keep_overlap": True})
+    learner = Learner(config, 0, "127.0.0.1:1", devices=jax.devices()[:1], mesh_shape=(1, 1))
+    state = learner.island.init(0)
+    learner.step = 10
+    learner._launch(state, 0)  # fragment 0 pushed at step 10: θ_at_push recorded
+    learner.stop.set()  # no syncer here: the background push gives up at once
+    [job.result() for job in learner.jobs]
+    at_push = [np.asarray(x) for x in learner.at_push[0][1]]
+    # The overlap steps' progress: every parameter moved by +0.5.
+    state = type(state)(jax.tree.map(lambda x: x + 0.5, state.params), state.opt_state)
+    merged = [np.full(s.shape, 2.0, s.dtype) for s in learner.cut[0]]
+    other = [np.full(s.shape, -1.0, s.dtype) for s in learner.cut[1]]
+    learner.step = 12
+    learner.inbox = {0: Inbound(1, merged, 12, pushed_at=10), 1: Inbound(1, other, 12, 3)}
+    leaves = learner.treedef.flatten_up_to(learner._apply_arrivals(state).params)
+    for j, spec in enumerate(learner.cut[0]):  # merged + (θ_now − θ_at_push) = 2 + 0.5
+        np.testing.assert_allclose(np.asarray(leaves[spec.index]), 2.0 + 0.5, rtol=1e-6)
+        assert at_push[j].shape == spec.shape
+    for spec in learner.cut[1]:  # answers no recorded push: overwritten
+        np.testing.assert_allclose(np.asarray(leaves[spec.index]), -1.0)
+    assert learner.at_push == {} and learner.versions == [1, 1]

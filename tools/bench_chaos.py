@@ -40,6 +40,9 @@ from tools.run_benchmarks import machine_description
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+# Decoupled runs under faults keep one warm standby learner (docs/chaos.md, "Warm standby"):
+# a restart activates it instead of starting a new process.
+STANDBY = {"supervisor.standby": 1}
 
 
 def _overrides(values: dict[str, Any]) -> list[str]:
@@ -195,7 +198,7 @@ def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
     common = {"num_learners": 4, "train_steps": args.steps, "checkpoint.every": args.ckpt}
     common.update({"eval.every": 0, "log_every": 50})
     decoupled_cfg = "experiments/configs/tiny_lm_decoupled.py"
-    chaos = run(root / "decoupled_chaos", decoupled_cfg, {**common, "chaos": schedule})
+    chaos = run(root / "decoupled_chaos", decoupled_cfg, {**common, **STANDBY, "chaos": schedule})
     cap = args.sync_cap * chaos["wall_s"]
     # dp and diloco side by side (each under its own copy of the schedule): one cap for both.
     with futures.ThreadPoolExecutor(2) as pool:
@@ -229,7 +232,8 @@ def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
         "that kills the whole job). tiny_lm configs, M=4, "
         f"{args.steps} steps per learner, checkpoints every {args.ckpt} steps. dp and diloco ran "
         f"at the same time as each other, capped at {args.sync_cap}× the decoupled chaos run's "
-        f"wall time ({cap:.0f} s); the decoupled failure-free run ran alongside the chaos one.",
+        f"wall time ({cap:.0f} s); the decoupled failure-free run ran alongside the chaos one. "
+        "Decoupled restarts activate a warm standby learner (`supervisor.standby=1`).",
         "",
         "| mode | goodput | goodput after start-up | uptime | faults injected | recoveries | "
         "lost steps | steps done | wall s | finished |",
@@ -323,7 +327,7 @@ def torchft_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
     rows, starts, firsts, ratios, goodputs, losses = [], [], [], [], [], []
     for k in range(args.kills):
         workdir = root / f"ft_chaos_{k}"
-        s = run(workdir, cfg, {**common, "chaos": str(path)})
+        s = run(workdir, cfg, {**common, **STANDBY, "chaos": str(path)})
         kill_t = next(e["time"] for e in _events(workdir) if e.get("event") == "fault")
         to_start, to_step = _restart_to_step(workdir, 1)
         records = timeline_lib.load(workdir / "timeline")[1]
@@ -359,7 +363,8 @@ def torchft_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
     return [
         "### 2. torchft scenario: 2 learners, H=10, 300 steps, kill -9 at 40%, restart after 10 s",
         "",
-        f"tiny_lm_decoupled, learner checkpoints every {args.ft_ckpt} steps; {args.kills} runs "
+        f"tiny_lm_decoupled, learner checkpoints every {args.ft_ckpt} steps, one warm standby "
+        f"(`supervisor.standby=1`); {args.kills} runs "
         "(same seed), one kill each, plus one failure-free run. Survivor rate: learner "
         "0's steps/s from the kill until learner 1 steps again; 'before': the same length of "
         "time before the kill; 'free': the failure-free run over the same step numbers.",

@@ -1,6 +1,6 @@
 r"""Restart cost of a decoupled learner: kill -9, start the same command, time to its first step.
 
-  python -m tools.bench_restart --out=benchmarks/results/restart.md [--kills=5]
+  python -m tools.bench_restart --out=benchmarks/results/restart.md [--kills=5] [--standby]
 
 Runs a syncer (with durable state) and one learner of `tiny_lm_decoupled` with checkpoints
 every 20 steps, on the persistent compilation cache. After a cold start, it kills the learner
@@ -8,6 +8,11 @@ with SIGKILL and starts the very same command again, `--kills` times, each once 
 incarnation has stepped 30 more steps. Every learner prints when its first step ends and where
 the time went since the process started (`learner_recovery.startup_line`); the table is those
 lines. The issue's torchft comparison target is <= 4 s from restart to stepping again.
+
+`--standby` measures a second table the same way, restarting by activating a warm standby
+(`decoupled_diloco.standby`) instead of starting a new process: before each kill a spare has
+warmed up (as a hot spare host has by the time a machine fails), and the time counts from its
+activation.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_LINE = re.compile(r"first step ([\d.]+) s after the process started: (.*)")
+_LINE = re.compile(r"first step ([\d.]+) s after ([^:]*): (.*)")
 
 
 def _config():
@@ -36,12 +41,17 @@ def _config():
     )
 
 
-def measure(kills: int, workdir: pathlib.Path) -> list[tuple[str, float, str]]:
-    """(label, seconds to first step, phase breakdown) of the cold start and each restart."""
+def measure(kills: int, workdir: pathlib.Path, standby: bool) -> list[tuple[str, float, str]]:
+    """(label, seconds to first step, phase breakdown) of the cold start and each restart.
+
+    With `standby`, each restart activates a warm spare (started and warmed up before the kill).
+    """
     from decoupled_diloco import launch
     from decoupled_diloco.procs import free_port
+    from decoupled_diloco.standby import Spares
 
     config = _config()
+    workdir.mkdir(parents=True, exist_ok=True)
     config_file = launch.write_config_file(config, workdir / "config.py")
     env = launch.child_env("bench-restart-token")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
@@ -66,6 +76,7 @@ def measure(kills: int, workdir: pathlib.Path) -> list[tuple[str, float, str]]:
             time.sleep(0.05)
 
     rows = []
+    spares = Spares(procs, workdir / "standby", config_file, [(1, 1)], 1) if standby else None
     try:
         procs.start(
             "syncer",
@@ -74,15 +85,21 @@ def measure(kills: int, workdir: pathlib.Path) -> list[tuple[str, float, str]]:
             ),
         )
         for k in range(kills + 1):
-            procs.start("learner_0", command)
+            if k == 0 or spares is None:
+                procs.start("learner_0", command)
+            else:
+                spares.activate("learner_0", command, [0], {})
             wait(
                 lambda k=k: len(_LINE.findall(procs.tail("learner_0", 10_000))) > k,
                 "the learner's first step",
             )
             start = position()
             wait(lambda start=start: position() >= start + 30, "30 more steps")
-            seconds, phases = _LINE.findall(procs.tail("learner_0", 10_000))[-1]
+            seconds, _, phases = _LINE.findall(procs.tail("learner_0", 10_000))[-1]
             rows.append(("cold start" if k == 0 else f"restart {k}", float(seconds), phases))
+            if k < kills and spares is not None:  # a warm spare is ready before the failure
+                spare = spares.start((1, 1))
+                wait(lambda spare=spare: spare.ready, "a warm standby")
             if k < kills:
                 procs.procs["learner_0"].send_signal(signal.SIGKILL)
                 procs.procs["learner_0"].wait()
@@ -91,24 +108,12 @@ def measure(kills: int, workdir: pathlib.Path) -> list[tuple[str, float, str]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="benchmarks/results/restart.md")
-    parser.add_argument("--kills", type=int, default=5)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench_restart_") as tmp:
-        load_before = os.getloadavg()[0]
-        rows = measure(args.kills, pathlib.Path(tmp))
-        load_after = os.getloadavg()[0]
+def _table(title: str, origin: str, rows: list[tuple[str, float, str]]) -> list[str]:
     restarts = [s for label, s, _ in rows if label != "cold start"]
-    lines = [
-        "## Restart cost of a killed learner",
+    return [
+        f"### {title}",
         "",
-        f"`python -m tools.bench_restart --out={args.out} --kills={args.kills}` "
-        f"({time.strftime('%Y-%m-%d')}; load average {load_before:.1f} before, "
-        f"{load_after:.1f} after, on {os.cpu_count()} cores). One `tiny_lm_decoupled` learner "
-        "and a durable syncer; SIGKILL, then the same command again. Seconds from the new "
-        "process's start to the end of its first step, and where they went:",
+        f"Seconds from {origin} to the end of its first step, and where they went:",
         "",
         "| run | to first step (s) | phases |",
         "|---|---|---|",
@@ -118,6 +123,38 @@ def main() -> None:
         "(target from the torchft comparison: <= 4 s).",
         "",
     ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/restart.md")
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument(
+        "--standby", action="store_true", help="also restart from warm standby spares"
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_restart_") as tmp:
+        load_before = os.getloadavg()[0]
+        fresh = measure(args.kills, pathlib.Path(tmp) / "fresh", standby=False)
+        warm = measure(args.kills, pathlib.Path(tmp) / "warm", True) if args.standby else None
+        load_after = os.getloadavg()[0]
+    flag = " --standby" if args.standby else ""
+    lines = [
+        "## Restart cost of a killed learner",
+        "",
+        f"`python -m tools.bench_restart --out={args.out} --kills={args.kills}{flag}` "
+        f"({time.strftime('%Y-%m-%d')}; load average {load_before:.1f} before, "
+        f"{load_after:.1f} after, on {os.cpu_count()} cores). One `tiny_lm_decoupled` learner "
+        "and a durable syncer; SIGKILL, then a restart at once.",
+        "",
+        *_table("New process (the same command again)", "the new process's start", fresh),
+    ]
+    if warm is not None:
+        lines += _table(
+            "Warm standby (a spare, warmed up before the kill, activated as the learner)",
+            "the spare's activation",
+            warm,
+        )
     pathlib.Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
 
