@@ -393,7 +393,7 @@ def main() -> None:
     parser.add_argument("--workroot", default=str(ROOT / "runs" / "bench_chaos"))
     parser.add_argument("--only", default="mtbf,torchft")
     parser.add_argument("--steps", type=int, default=300, help="MTBF: steps per learner")
-    parser.add_argument("--ckpt", type=int, default=20, help="MTBF: checkpoint every")
+    parser.add_argument("--ckpt", type=int, default=10, help="MTBF: checkpoint every")
     parser.add_argument("--mtbf", type=float, default=120.0)
     parser.add_argument("--repair", type=float, default=20.0)
     parser.add_argument("--horizon", type=float, default=3600.0, help="failures up to (s)")
