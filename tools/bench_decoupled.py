@@ -33,6 +33,8 @@ DECOUPLED = {
 }
 _NESTEROV = {"outer.lr": 0.7, "outer.momentum": 0.9, "outer.nesterov": True}
 _SGD1 = {"outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False}
+_KEEP = "decoupled.keep_overlap"
+KEEP5 = "sgd 1.0/0.0, τ=5, keep overlap"
 # (name, overrides on top of DECOUPLED)
 VARIANTS = (
     ("nesterov 0.7/0.9", _NESTEROV),
@@ -48,7 +50,18 @@ VARIANTS = (
         "learner anchor, delayed nesterov 0.7/0.9 N=2",
         {**_NESTEROV, "outer.delayed_nesterov": 2, "decoupled.stale_anchor": "learner"},
     ),
+    # τ=5 leaves the grace window room to gather both learners' pushes into one merge;
+    # keep_overlap keeps the steps trained meanwhile (decoupled.keep_overlap).
+    ("sgd 1.0/0.0, τ=5", {**_SGD1, "decoupled.overlap_steps": 5}),
+    ("sgd 1.0/0.0, τ=5, keep overlap", {**_SGD1, "decoupled.overlap_steps": 5, _KEEP: True}),
+    # The same command again (a second directory): decoupled runs are not bit-repeatable.
+    (
+        "sgd 1.0/0.0, τ=5, keep overlap, repeat",
+        {**_SGD1, "decoupled.overlap_steps": 5, _KEEP: True},
+    ),
 )
+# The heterogeneity runs use the best quorum-1 variant of the first sweep (before τ=5 was tried).
+SLOW_VARIANT = "learner anchor, sgd 0.5/0.0"
 SLOW = {"slow_learner": 1, "slowdown": 3.0, "eval.every": 50}
 # Twice the steps, so that both modes can reach dp's final loss (neither does within 300).
 SLOW_STEPS = 600
@@ -60,6 +73,17 @@ LONG_DECOUPLED = {
     "outer.nesterov": False,
     "decoupled.stale_anchor": "learner",
 }
+# M=4 with quorum 1 and a grace window long enough to gather the learners' pushes (τ=10 steps
+# of slack, γ=1, up to 10 s) into one merge; the steps trained while waiting are kept.
+GATHER = {
+    **DECOUPLED,
+    **_SGD1,
+    "decoupled.overlap_steps": 10,
+    "decoupled.keep_overlap": True,
+    "decoupled.grace_safety": 1.0,
+    "decoupled.syncer.max_grace_s": 10,
+}
+M4_SHORT = {"num_learners": 4, "inner_steps": 50, "train_steps": 300}
 
 
 def run(name: str, args: dict, workroot: pathlib.Path) -> dict:
@@ -117,6 +141,7 @@ def main() -> None:
     rows, decoupled = [], {}
     for name, overrides in VARIANTS:
         tag = name.replace(" ", "_").replace("/", "-").replace("=", "").replace(",", "")
+        tag = tag.replace("τ", "tau")
         decoupled[name] = s = run(
             f"decoupled_{tag}", {"mode": "decoupled", **SETTING, **DECOUPLED, **overrides}, workroot
         )
@@ -156,8 +181,7 @@ def main() -> None:
     slow_runs: list[dict] = []
     if not args.skip_slow:
         # Quorum 1 is the point of the comparison: the fast learner must not wait.
-        quorum1 = [n for n, o in VARIANTS if o.get("decoupled.quorum", 1) == 1]
-        best = min(quorum1, key=lambda n: decoupled[n]["final_eval_loss"])
+        best = SLOW_VARIANT
         overrides = dict(VARIANTS)[best]
         slow = {**SETTING, **SLOW, "train_steps": SLOW_STEPS}
         slow_diloco = run(
@@ -174,7 +198,8 @@ def main() -> None:
         slow_runs = [slow_diloco, slow_dec]
         target = dp["final_eval_loss"]
         lines += [
-            f"### One learner 3x slower (decoupled uses the best variant above: {best})",
+            f"### One learner 3x slower (decoupled: {best}, the best quorum-1 variant of the "
+            "first sweep)",
             "",
             f"{SLOW_STEPS} steps per learner (twice the dp run's), so that the runs can reach "
             "dp's final loss. Seconds of training (process start-up excluded) until the global "
@@ -193,6 +218,38 @@ def main() -> None:
                 f"| {cells} |"
             )
         lines.append("")
+    m4_diloco = run("m4_300_diloco_lr1.0-m0.0", {"mode": "diloco", **M4_SHORT, **_SGD1}, workroot)
+    m4_runs = {
+        "decoupled sgd 1.0/0.0, τ=5, keep overlap": run(
+            "m4_300_decoupled_sgd_1.0-0.0_tau5_keep_overlap",
+            {"mode": "decoupled", **M4_SHORT, **DECOUPLED, **dict(VARIANTS)[KEEP5]},
+            workroot,
+        ),
+        "decoupled gather (τ=10, γ=1, grace ≤ 10 s, keep overlap)": run(
+            "m4_300_decoupled_gather", {"mode": "decoupled", **M4_SHORT, **GATHER}, workroot
+        ),
+    }
+    lines += [
+        "### M=4, H=50, 300 steps per learner: gathering the pushes of a round",
+        "",
+        "Quorum 1 closes a round at the first push plus the grace window (Eq. 3: γ·(τ·step − "
+        "quorum − sync time)). With 4 learners sharing 2 cores their pushes of a round arrive "
+        "seconds apart, so at τ=5 almost every merge holds one learner (merges ≈ pushes) and "
+        "outer lr 1 then replaces the global fragment by that learner's. τ=10 with γ=1 and a "
+        "10 s cap gathers them (merges ≈ rounds); the learners never wait, and keep_overlap keeps "
+        "what they train meanwhile.",
+        "",
+        "| run | final eval loss | ratio to diloco | merges |",
+        "|---|---|---|---|",
+        f"| diloco sgd 1.0/0.0 | {m4_diloco['final_eval_loss']:.4f} | 1.0000 | "
+        f"{m4_diloco.get('outer_syncs', '-')} |",
+    ]
+    for name, s in m4_runs.items():
+        lines.append(
+            f"| {name} | {s['final_eval_loss']:.4f} | "
+            f"{s['final_eval_loss'] / m4_diloco['final_eval_loss']:.4f} | {s['outer_syncs']} |"
+        )
+    lines.append("")
     long_runs: list[dict] = []
     if not args.skip_long:
         long_dp = _baseline("long:dp", "dp", (0.7, 0.9, True), workroot, bench_quality.LONG)
@@ -204,12 +261,16 @@ def main() -> None:
             {"mode": "decoupled", **bench_quality.LONG, **LONG_DECOUPLED},
             workroot,
         )
-        long_runs = [long_dp, long_diloco, long_dec]
+        long_gather = run(
+            "long_decoupled_gather", {"mode": "decoupled", **bench_quality.LONG, **GATHER}, workroot
+        )
+        long_runs = [long_dp, long_diloco, long_dec, long_gather]
         lines += [
             "### M=4, H=50, 2,000 steps per learner (16.4M tokens per run)",
             "",
-            "Decoupled: quorum 1, P=4, τ=2, RDA, learner anchor, outer SGD lr 0.25 (1/M), no "
-            "momentum. Target (issue 3): decoupled ≤ 1.01 × diloco.",
+            "Decoupled: quorum 1, P=4, RDA; the first row τ=2 with the learner anchor and outer "
+            "SGD lr 0.25 (1/M), the second the gathering setting of the M=4/300-step table. "
+            "Target (issue 3): decoupled ≤ 1.01 × diloco.",
             "",
             "| run | final eval loss | ratio to dp | ratio to diloco | merges | wall s |",
             "|---|---|---|---|---|---|",
@@ -217,7 +278,8 @@ def main() -> None:
         for name, s in (
             ("dp", long_dp),
             ("diloco sgd 1.0/0.0", long_diloco),
-            ("decoupled", long_dec),
+            ("decoupled (τ=2, learner anchor, lr 0.25)", long_dec),
+            ("decoupled gather (τ=10, γ=1, grace ≤ 10 s, keep overlap, lr 1)", long_gather),
         ):
             lines.append(
                 f"| {name} | {s['final_eval_loss']:.4f} | "
@@ -227,7 +289,15 @@ def main() -> None:
             )
         lines.append("")
     lines += ["Commands of each run:", ""]
-    for s in (dp, diloco, *decoupled.values(), *slow_runs, *long_runs):
+    for s in (
+        dp,
+        diloco,
+        *decoupled.values(),
+        *slow_runs,
+        m4_diloco,
+        *m4_runs.values(),
+        *long_runs,
+    ):
         lines.append(f"- `{s['command']}`")
     section = "\n".join(lines) + "\n"
     print(section)
