@@ -236,6 +236,9 @@ class DecoupledConfig:
       keep_overlap: on arrival, keep the τ steps trained while the fragment was in flight:
         θ ← merged + (θ − θ_at_push) (as Streaming DiLoCo's eager updates keep local progress),
         instead of overwriting them; those steps then enter the fragment's next push.
+      partial_merge: how a merge that holds k of the M learners' pushes steps: "mean" (the
+        weighted mean of the k outer gradients, as if they were all) or "share" (that mean
+        scaled by k/M: a lone asynchronous push moves the fragment 1/M of a full round's way).
       grace_safety: γ, the share of the learner's slack spent waiting for more pushes (Eq. 3).
       ema_decay: decay of the syncer's moving averages of step, quorum and sync times.
       mesh_shapes: per-learner meshes, e.g. "1x1,2x1"; empty: every learner uses `mesh.shape`.
@@ -253,6 +256,7 @@ class DecoupledConfig:
     quorum: int = 1
     alpha: float = 0.0
     keep_overlap: bool = False
+    partial_merge: str = "mean"
     grace_safety: float = 0.5
     ema_decay: float = 0.8
     mesh_shapes: str = ""
@@ -531,6 +535,11 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
         d.stale_anchor in ("syncer", "learner"),
         "decoupled.stale_anchor",
         f"expected 'syncer' or 'learner', got {d.stale_anchor!r}",
+    )
+    _check(
+        d.partial_merge in ("mean", "share"),
+        "decoupled.partial_merge",
+        f"must be 'mean' or 'share', got {d.partial_merge!r}",
     )
     _check(0 <= d.grace_safety <= 1, "decoupled.grace_safety", "gamma must be in [0, 1]")
     _check(d.island_processes >= 1, "decoupled.island_processes", "must be >= 1")

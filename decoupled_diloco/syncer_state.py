@@ -131,9 +131,14 @@ def merge_and_step(
     opt_state: Any,
     deltas: list[dict[str, Any]],
     weights: Any,
+    scale: Any = 1.0,
 ) -> tuple[dict[str, Any], Any]:
-    """Merges outer gradients (`outer.merge`), then applies the outer step (`outer_step`)."""
+    """Merges outer gradients (`outer.merge`), scales the result, applies the outer step.
+
+    `scale` is the merge's share of the learners with `decoupled.partial_merge="share"`, else 1.
+    """
     merged = outer.merge(deltas, weights, method, is_mean_only=is_mean_only)
+    merged = jax.tree.map(lambda x: x * scale, merged)
     return outer.outer_step(tx, values, opt_state, merged)
 
 
@@ -243,7 +248,9 @@ class SyncerState:
             zeros = [np.zeros_like(v) for v in frag.values]
             tree = self._tree(frag, frag.values)
             jax.block_until_ready(
-                self._round(tree, frag.opt_state, [self._tree(frag, zeros)] * m, np.ones(m))
+                self._round(
+                    tree, frag.opt_state, [self._tree(frag, zeros)] * m, np.ones(m), np.float32(1.0)
+                )
             )
 
     @staticmethod
@@ -416,8 +423,12 @@ class SyncerState:
         zeros = self._tree(frag, [np.zeros_like(v) for v in frag.values])
         deltas = [self._tree(frag, x.delta) for x in pushes] + [zeros] * (m - len(pushes))
         padded = np.array(weights + [0.0] * (m - len(pushes)), np.float32)
+        # "share": a merge of k of the M learners moves the fragment k/M of the way a merge of
+        # all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
+        share = self.config.decoupled.partial_merge == "share"
+        scale = np.float32(len(pushes) / m if share else 1.0)
         new_values, opt_state = self._round(
-            self._tree(frag, frag.values), frag.opt_state, deltas, padded
+            self._tree(frag, frag.values), frag.opt_state, deltas, padded, scale
         )
         frag.opt_state = jax.device_get(opt_state)
         new_values = jax.device_get(new_values)

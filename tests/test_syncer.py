@@ -393,3 +393,31 @@ def test_client_retries_until_the_syncer_is_up_and_the_push_counts_once():
     finally:
         client.close()
         server.stop(0)
+
+
+@pytest.mark.parametrize(
+    "syncer",
+    [
+        {
+            "decoupled.quorum": 1,
+            "decoupled.partial_merge": "share",
+            "outer.lr": 1.0,
+            "outer.momentum": 0.0,
+            "outer.nesterov": False,
+        }
+    ],
+    indirect=True,
+)
+def test_share_merge_of_one_learner_of_two_moves_half_way(syncer):
+    """partial_merge="share": a merge holding 1 of the 2 learners steps by 1/2 of its delta."""
+    server, client = syncer
+    for i in (0, 1):
+        client.register(i, server.fingerprint)
+    specs = server.state.fragments[0].specs
+    anchor = [v.copy() for v in server.state.fragments[0].values]
+    d0 = _deltas(specs, 1)
+    _push(client, specs, d0, learner=0, fragment=0)
+    version, got = client.pull(0, 0, min_version=1, wait_s=10)
+    assert version == 1 and client.status()["merge_log"][-1]["learners"] == [0]
+    for a, x, g in zip(anchor, d0, got, strict=True):
+        np.testing.assert_allclose(g, a - 0.5 * x, rtol=2e-5, atol=2e-7)

@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--workroot", default=str(ROOT / "runs" / "bench_chaos"))
     parser.add_argument("--only", default="mtbf,torchft")
-    parser.add_argument("--steps", type=int, default=300, help="MTBF: steps per learner")
+    parser.add_argument("--steps", type=int, default=600, help="MTBF: steps per learner")
     parser.add_argument("--ckpt", type=int, default=10, help="MTBF: checkpoint every")
     parser.add_argument("--mtbf", type=float, default=120.0)
     parser.add_argument("--repair", type=float, default=20.0)
