@@ -283,12 +283,14 @@ def encode_fragment(
     local: Sequence[jax.Array],
     residual: Sequence[jax.Array] | None,
     codec: Codec,
+    decay: float = 1.0,
 ) -> tuple[list[dict[str, jax.Array]], list[jax.Array] | None]:
     """Encodes a fragment's outer gradient Δ = anchor − local, with optional error feedback.
 
-    With `residual` (error feedback), Δ + residual is encoded and the new residual is what
-    the encoding dropped: Δ + residual − decode(encode(Δ + residual)). Summed over rounds, the
-    decoded outer gradients then differ from the true ones by only the current residual.
+    With `residual` (error feedback), Δ + decay·residual is encoded and the new residual is
+    what the encoding dropped: Δ + decay·residual − decode(encode(Δ + decay·residual)). With
+    decay 1, the decoded outer gradients summed over rounds differ from the true ones by only
+    the current residual.
 
     Returns:
       Each tensor's sections, and the new residual (None without error feedback).
@@ -297,7 +299,7 @@ def encode_fragment(
     for i, (a, x) in enumerate(zip(anchor, local, strict=True)):
         delta = (jnp.asarray(a, jnp.float32) - x.astype(jnp.float32)).reshape(-1)
         if residual is not None:
-            delta = delta + residual[i].reshape(-1).astype(jnp.float32)
+            delta = delta + decay * residual[i].reshape(-1).astype(jnp.float32)
         encoded = encode(delta, codec)
         sections.append(encoded)
         if new_residual is not None:

@@ -311,6 +311,12 @@ class CompressionConfig:
         "e3m0"; one scale per chunk).
       error_feedback: the learner keeps what compression dropped (the residual, part of its
         checkpoint) and adds it to the fragment's next outer gradient.
+      ef_decay: error feedback: the residual is multiplied by this before it is added (1: all
+        of it; below 1 it decays like an outer momentum, as in SparseLoCo's β).
+      keep_unsent: error feedback: when the merged fragment answering a push arrives, the
+        learner keeps what that push left unsent in its parameters (θ ← merged − residual)
+        and clears the residual, so its own progress is never set back by compression; it is
+        in the fragment's next outer gradient all the same.
       downlink: the syncer also compresses merged fragments sent back to learners (as the
         difference from the copy that learner holds, with the same scheme).
     """
@@ -320,6 +326,8 @@ class CompressionConfig:
     density: float = 0.02
     topk_values: str = "int4"
     error_feedback: bool = False
+    ef_decay: float = 1.0
+    keep_unsent: bool = False
     downlink: bool = False
 
 
@@ -600,6 +608,12 @@ def _validate_compression(z: CompressionConfig) -> None:
         not z.error_feedback or z.scheme != "none",
         "compression.error_feedback",
         "needs a lossy compression.scheme (with 'none' nothing is dropped)",
+    )
+    _check(0 < z.ef_decay <= 1, "compression.ef_decay", f"must be in (0, 1], got {z.ef_decay}")
+    _check(
+        not z.keep_unsent or z.error_feedback,
+        "compression.keep_unsent",
+        "needs compression.error_feedback=True (it keeps the error-feedback residual)",
     )
 
 

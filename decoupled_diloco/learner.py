@@ -126,6 +126,7 @@ class Learner:
         self.inbox: dict[int, Inbound] = {}
         # keep_overlap: per fragment, (step, device copy of θ) at its last push.
         self.at_push: dict[int, tuple[int, list[jax.Array]]] = {}
+        self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
         self.inbox_lock = threading.Lock()
         # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
         self.pool = futures.ThreadPoolExecutor(
@@ -146,7 +147,9 @@ class Learner:
         z = config.compression
         self.codec = compression.codec_for(z)
         self.compressed = z.scheme != "none"
-        self._encode = jax.jit(functools.partial(compression.encode_fragment, codec=self.codec))
+        self._encode = jax.jit(
+            functools.partial(compression.encode_fragment, codec=self.codec, decay=z.ef_decay)
+        )
         self.ef_residual: Any = None
         if z.error_feedback:
             self.ef_residual = jax.tree.map(
@@ -342,18 +345,29 @@ class Learner:
         t0 = time.perf_counter()
         leaves = self.treedef.flatten_up_to(state.params)
         alpha = self.config.decoupled.alpha
+        # keep_unsent: the residual moves into the parameters (and out of the buffer) when the
+        # merge answering the push that left it arrives.
+        residual = None
+        if self.config.compression.keep_unsent:
+            residual = self.treedef.flatten_up_to(self.ef_residual)
         for p, inbound in ready.items():
             # With keep_overlap: the local progress since the push this merge answers.
             at_push = self.at_push.pop(p, None)
             if at_push is not None and at_push[0] != inbound.pushed_at:
                 at_push = None  # answers an older push: its overlap is in a newer push
+            unsent = residual is not None and inbound.pushed_at == self.last_push[p]
             for j, (spec, value) in enumerate(zip(self.cut[p], inbound.values, strict=True)):
                 placed = self._place(value, self.shardings[spec.index])
                 local = leaves[spec.index]
                 if at_push is not None:
                     placed = placed + (local - at_push[1][j])
+                if unsent:  # the residual is in outer-gradient units: anchor − θ
+                    placed = placed - residual[spec.index]
+                    residual[spec.index] = jnp.zeros_like(residual[spec.index])
                 leaves[spec.index] = placed if alpha == 0 else alpha * local + (1 - alpha) * placed
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
+        if residual is not None:
+            self.ef_residual = jax.tree.unflatten(self.treedef, residual)
         self.sync_host_s += time.perf_counter() - t0
         return InnerState(jax.tree.unflatten(self.treedef, leaves), state.opt_state)
 
@@ -363,6 +377,8 @@ class Learner:
         # the copy itself and not the compute it would otherwise absorb.
         jax.block_until_ready(leaves)
         t0 = time.perf_counter()
+        if not final:
+            self.last_push[p] = self.step
         if self.config.decoupled.keep_overlap and not final:
             # A device copy: the next step donates these buffers.
             self.at_push[p] = (self.step, [jnp.copy(x) for x in leaves])

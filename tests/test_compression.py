@@ -156,6 +156,18 @@ def test_error_feedback_keeps_the_running_sums_close():
     assert float(np.abs(ef_sum - true_sum).max()) < drift / 4, (worst, drift)
 
 
+def test_error_feedback_decay_scales_the_residual_before_it_is_added():
+    """ef_decay β: the encoded value is Δ + β·residual (SparseLoCo's decaying accumulator)."""
+    codec = C.Codec("topk", 4, "none", 1)  # one entry of each 4 sent, exactly
+    anchor = [jnp.asarray([4.0, 1.0, 0.0, 0.0])]
+    local = [jnp.zeros(4, jnp.float32)]
+    residual = [jnp.asarray([0.0, 2.0, 3.0, 0.0])]
+    sections, new = C.encode_fragment(anchor, local, residual, codec, decay=0.5)
+    # Δ + 0.5·r = [4, 2, 1.5, 0]: 4 is sent, the rest stays.
+    np.testing.assert_allclose(C.decode(jax.device_get(sections[0]), 4, codec), [4, 0, 0, 0])
+    np.testing.assert_allclose(np.asarray(new[0]), [0.0, 2.0, 1.5, 0.0])
+
+
 def test_codec_from_config_and_payload_sizes():
     z = config_lib.CompressionConfig(scheme="topk", block_size=4096, density=0.02)
     codec = C.codec_for(z)

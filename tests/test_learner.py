@@ -100,3 +100,40 @@ def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
     for spec in learner.cut[1]:  # answers no recorded push: overwritten
         np.testing.assert_allclose(np.asarray(leaves[spec.index]), -1.0)
     assert learner.at_push == {} and learner.versions == [1, 1]
+
+
+def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arrives():
+    from decoupled_diloco.learner import Inbound
+
+    z = {
+        "compression.scheme": "topk",
+        "compression.density": 0.02,
+        "compression.topk_values": "none",
+    }
+    z |= {"compression.error_feedback": True, "compression.keep_unsent": True}
+    config = _config(inner_steps=8, **{"decoupled.fragments": 2, **z})
+    learner = Learner(config, 0, "127.0.0.1:1", devices=jax.devices()[:1], mesh_shape=(1, 1))
+    state = learner.island.init(0)
+    leaves = learner.treedef.flatten_up_to(state.params)
+    for p, frag in enumerate(learner.cut):  # anchor = θ + 1: every outer gradient entry is 1
+        learner.anchor[p] = [np.asarray(leaves[s.index]) + 1.0 for s in frag]
+    learner.step = 10
+    learner._launch(state, 0)  # top-k sends a few entries; the residual keeps the rest
+    learner.stop.set()
+    [job.result() for job in learner.jobs]
+    residual = [np.asarray(x) for x in learner.treedef.flatten_up_to(learner.ef_residual)]
+    for spec in learner.cut[0]:
+        kept = residual[spec.index]
+        assert 0 < np.count_nonzero(kept) < kept.size
+        assert np.all((kept == 0) | np.isclose(kept, 1.0))
+    merged = [np.full(s.shape, 2.0, s.dtype) for s in learner.cut[0]]
+    other = [np.full(s.shape, -1.0, s.dtype) for s in learner.cut[1]]
+    learner.step = 12
+    learner.inbox = {0: Inbound(1, merged, 12, pushed_at=10), 1: Inbound(1, other, 12, 3)}
+    new = learner.treedef.flatten_up_to(learner._apply_arrivals(state).params)
+    after = [np.asarray(x) for x in learner.treedef.flatten_up_to(learner.ef_residual)]
+    for spec in learner.cut[0]:  # θ ← merged − residual; the residual is now in θ
+        np.testing.assert_allclose(np.asarray(new[spec.index]), 2.0 - residual[spec.index])
+        assert not after[spec.index].any()
+    for spec in learner.cut[1]:  # answers no push of this learner: overwritten
+        np.testing.assert_allclose(np.asarray(new[spec.index]), -1.0)
