@@ -205,6 +205,11 @@ def test_config_validation_names_the_field():
         )
     with pytest.raises(config_lib.ConfigError, match="compression.error_feedback"):
         config_lib.replace(base, **{"compression.error_feedback": True})
+    int4 = config_lib.replace(base, **{"compression.scheme": "int4"})
+    with pytest.raises(config_lib.ConfigError, match="compression.keep_unsent"):
+        config_lib.replace(int4, **{"compression.keep_unsent": True})
+    with pytest.raises(config_lib.ConfigError, match="compression.ef_decay"):
+        config_lib.replace(int4, **{"compression.error_feedback": True, "compression.ef_decay": 0})
 
 
 def test_ring_allreduce_bytes():

@@ -35,6 +35,19 @@ _NESTEROV = {"outer.lr": 0.7, "outer.momentum": 0.9, "outer.nesterov": True}
 _SGD1 = {"outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False}
 _KEEP = "decoupled.keep_overlap"
 KEEP5 = "sgd 1.0/0.0, τ=5, keep overlap"
+# M=4 with quorum 1 and a grace window long enough to gather the learners' pushes (τ=10 steps
+# of slack, γ=1, up to 10 s) into one merge; the steps trained while waiting are kept.
+GATHER = {
+    **DECOUPLED,
+    **_SGD1,
+    "decoupled.overlap_steps": 10,
+    "decoupled.keep_overlap": True,
+    "decoupled.grace_safety": 1.0,
+    "decoupled.syncer.max_grace_s": 10,
+}
+# partial_merge="share" (a merge of k of M learners steps k/M of the way) with each learner's
+# own outer gradient: right both for gathered rounds and for lone pushes.
+SHARE = {"decoupled.partial_merge": "share", "decoupled.stale_anchor": "learner"}
 # (name, overrides on top of DECOUPLED)
 VARIANTS = (
     ("nesterov 0.7/0.9", _NESTEROV),
@@ -59,6 +72,11 @@ VARIANTS = (
         "sgd 1.0/0.0, τ=5, keep overlap, repeat",
         {**_SGD1, "decoupled.overlap_steps": 5, _KEEP: True},
     ),
+    # The M=4 tables' best settings; four runs of the same command, for the spread.
+    *(
+        (f"gather + share, learner anchor{suffix}", {**GATHER, **SHARE})
+        for suffix in ("", ", repeat", ", repeat 2", ", repeat 3")
+    ),
 )
 # The heterogeneity runs use the best quorum-1 variant of the first sweep (before τ=5 was tried).
 SLOW_VARIANT = "learner anchor, sgd 0.5/0.0"
@@ -73,19 +91,6 @@ LONG_DECOUPLED = {
     "outer.nesterov": False,
     "decoupled.stale_anchor": "learner",
 }
-# M=4 with quorum 1 and a grace window long enough to gather the learners' pushes (τ=10 steps
-# of slack, γ=1, up to 10 s) into one merge; the steps trained while waiting are kept.
-GATHER = {
-    **DECOUPLED,
-    **_SGD1,
-    "decoupled.overlap_steps": 10,
-    "decoupled.keep_overlap": True,
-    "decoupled.grace_safety": 1.0,
-    "decoupled.syncer.max_grace_s": 10,
-}
-# partial_merge="share" (a merge of k of M learners steps k/M of the way) with each learner's
-# own outer gradient: right both for gathered rounds and for lone pushes.
-SHARE = {"decoupled.partial_merge": "share", "decoupled.stale_anchor": "learner"}
 M4_SHORT = {"num_learners": 4, "inner_steps": 50, "train_steps": 300}
 
 
