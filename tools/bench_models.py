@@ -80,6 +80,7 @@ VARIANTS = (
     ("lr 1/M", "decoupled", DECOUPLED),
     ("share", "decoupled_share", SHARE),
     ("gather + share", "decoupled_gather_share", GATHER_SHARE),
+    ("share (the same command again)", "decoupled_share_repeat", SHARE),
 )
 # Text dense only: how close local steps get to dp at this size (label, suffix, overrides).
 LOCAL_STEPS = (

@@ -16,13 +16,13 @@ the 359 validation images (11 batches of 32) and reports accuracy as well as los
 
 from decoupled_diloco import config as c
 
-# Outer settings per mode, the best measured on tiny_lm (benchmarks/results/quality.md and
-# decoupled.md): plain averaging for diloco; for decoupled with quorum 1 (each merge holds about
-# one learner's outer gradient) outer SGD with lr 1/M, no momentum, RDA merge, learner anchor.
-# With --config.num_learners=4 also pass --config.outer.lr=0.25. dp has no outer step.
+# Outer settings per mode, the best measured (benchmarks/results/quality.md, decoupled.md and
+# models.md): plain averaging for diloco; for decoupled with quorum 1, outer SGD lr 1 without
+# momentum, RDA merge, learner anchor and partial_merge="share" (a merge of k of the M learners
+# steps k/M of the way, so the same lr suits any M). dp has no outer step.
 OUTER = {
     "diloco": c.OuterConfig(lr=1.0, momentum=0.0, nesterov=False, merge="mean"),
-    "decoupled": c.OuterConfig(lr=0.5, momentum=0.0, nesterov=False, merge="rda"),
+    "decoupled": c.OuterConfig(lr=1.0, momentum=0.0, nesterov=False, merge="rda"),
 }
 
 
@@ -43,7 +43,11 @@ def get_config(mode: str = "decoupled"):
             checkpoint=c.CheckpointConfig(every=0),
             eval=c.EvalConfig(every=50, batches=11),
             decoupled=c.DecoupledConfig(
-                fragments=4, overlap_steps=2, quorum=1, stale_anchor="learner"
+                fragments=4,
+                overlap_steps=2,
+                quorum=1,
+                stale_anchor="learner",
+                partial_merge="share",
             ),
         )
     )
