@@ -110,6 +110,10 @@ RUNS = (  # in the order they run: the most informative first
         "topk 3% int4 + EF keep unsent, lr 1, H=10, 1000 steps",
         {**_EF10, "compression.density": 0.03, **_KEEP, **_LR1, "train_steps": 1000},
     ),
+    (
+        "topk 3% int4, lr 1, H=10, 1000 steps",
+        {**_TOPK3, "inner_steps": 10, **_LR1, "train_steps": 1000},
+    ),
 )
 
 
@@ -301,6 +305,14 @@ def _targets(results: dict[str, dict], reference: Any) -> list[str]:
                 f"without error feedback, {100 * (b['final_eval_loss'] / reference(b) - 1):+.1f}% "
                 "with it (target: visibly worse without, within 1% with)."
             )
+    uplink = [results[n] for n in ("e3m0", "e3m0 (repeat)", "int4") if n in results]
+    if len(uplink) > 1 and len(none) > 1:
+        mean = sum(s["final_eval_loss"] for s in uplink) / len(uplink)
+        out.append(
+            f"- 4-bit uplink ({len(uplink)} runs: e3m0 twice, int4) against the "
+            f"{len(none)} uncompressed runs, mean against mean: "
+            f"{100 * (mean / (sum(none) / len(none)) - 1):+.2f}% (target: within +0.5%)."
+        )
     for h in (10, 5):
         variants = [(n, s) for n, s in results.items() if "+ EF" in n and s["inner_steps"] == h]
         if variants:
@@ -312,6 +324,16 @@ def _targets(results: dict[str, dict], reference: Any) -> list[str]:
             )
     three = ["topk 3% int4, H=5", "topk 3% int4, lr 1, H=5", "topk 3% int4 + EF, lr 1, H=5"]
     three += [n for n in results if n.startswith("topk 3% int4 + EF keep unsent, lr 1, H=5")]
+    long = [
+        "topk 3% int4, lr 1, H=10, 1000 steps",
+        "topk 3% int4 + EF keep unsent, lr 1, H=10, 1000 steps",
+    ]
+    if all(n in results for n in long):
+        numbers = ", ".join(
+            f"{n} {100 * (results[n]['final_eval_loss'] / reference(results[n]) - 1):+.1f}%"
+            for n in long
+        )
+        out.append(f"- The same at H=10 over 1,000 steps, vs `none, H=10, 1000 steps`: {numbers}.")
     if all(n in results for n in three):
         numbers = ", ".join(
             f"{n} {100 * (results[n]['final_eval_loss'] / reference(results[n]) - 1):+.1f}%"

@@ -66,6 +66,7 @@ DECOUPLED = {  # "lr 1/M"
     "decoupled.fragments": 4,
     "decoupled.overlap_steps": 2,
     "outer.merge": "rda",
+    "decoupled.partial_merge": "mean",
 }
 SHARE = {**DECOUPLED, "outer.lr": 1.0, "decoupled.partial_merge": "share"}
 GATHER_SHARE = {
