@@ -77,6 +77,13 @@ VARIANTS = (
         (f"gather + share, learner anchor{suffix}", {**GATHER, **SHARE})
         for suffix in ("", ", repeat", ", repeat 2", ", repeat 3")
     ),
+    # Tried on top of it: plain weighted mean instead of RDA (as diloco merges), and τ=5.
+    ("gather + share, mean merge", {**GATHER, **SHARE, "outer.merge": "mean"}),
+    ("gather + share, mean merge, repeat", {**GATHER, **SHARE, "outer.merge": "mean"}),
+    ("gather + share, τ=5", {**GATHER, **SHARE, "decoupled.overlap_steps": 5}),
+    ("gather + share, τ=1", {**GATHER, **SHARE, "decoupled.overlap_steps": 1}),
+    # One fragment: is the gap to diloco the streaming of fragments? (It is not.)
+    ("gather + share, P=1", {**GATHER, **SHARE, "decoupled.fragments": 1}),
 )
 # The heterogeneity runs use the best quorum-1 variant of the first sweep (before τ=5 was tried).
 SLOW_VARIANT = "learner anchor, sgd 0.5/0.0"
@@ -127,7 +134,7 @@ def _spread(decoupled: dict[str, dict], dp_loss: float) -> list[str]:
     ratios = [
         s["final_eval_loss"] / dp_loss
         for name, s in decoupled.items()
-        if name.startswith("gather + share")
+        if name.startswith("gather + share, learner anchor")
     ]
     if len(ratios) < 2:
         return []
