@@ -611,6 +611,11 @@ def _validate_compression(z: CompressionConfig) -> None:
     )
     _check(0 < z.ef_decay <= 1, "compression.ef_decay", f"must be in (0, 1], got {z.ef_decay}")
     _check(
+        z.ef_decay == 1 or z.error_feedback,
+        "compression.ef_decay",
+        "decays the error-feedback residual: needs compression.error_feedback=True",
+    )
+    _check(
         not z.keep_unsent or z.error_feedback,
         "compression.keep_unsent",
         "needs compression.error_feedback=True (it keeps the error-feedback residual)",

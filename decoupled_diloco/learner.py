@@ -127,6 +127,9 @@ class Learner:
         # keep_overlap: per fragment, (step, device copy of θ) at its last push.
         self.at_push: dict[int, tuple[int, list[jax.Array]]] = {}
         self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
+        # keep_unsent: per fragment, whether θ already holds the residual (it stays in the
+        # buffer too, so that a checkpoint keeps it: a restart starts θ from the global values).
+        self.unsent_in_params = [False] * num
         self.inbox_lock = threading.Lock()
         # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
         self.pool = futures.ThreadPoolExecutor(
@@ -345,8 +348,8 @@ class Learner:
         t0 = time.perf_counter()
         leaves = self.treedef.flatten_up_to(state.params)
         alpha = self.config.decoupled.alpha
-        # keep_unsent: the residual moves into the parameters (and out of the buffer) when the
-        # merge answering the push that left it arrives.
+        # keep_unsent: the residual moves into the parameters when the merge answering the
+        # push that left it arrives (the next push then must not add it again).
         residual = None
         if self.config.compression.keep_unsent:
             residual = self.treedef.flatten_up_to(self.ef_residual)
@@ -363,11 +366,9 @@ class Learner:
                     placed = placed + (local - at_push[1][j])
                 if unsent:  # the residual is in outer-gradient units: anchor − θ
                     placed = placed - residual[spec.index]
-                    residual[spec.index] = jnp.zeros_like(residual[spec.index])
                 leaves[spec.index] = placed if alpha == 0 else alpha * local + (1 - alpha) * placed
+            self.unsent_in_params[p] = unsent
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
-        if residual is not None:
-            self.ef_residual = jax.tree.unflatten(self.treedef, residual)
         self.sync_host_s += time.perf_counter() - t0
         return InnerState(jax.tree.unflatten(self.treedef, leaves), state.opt_state)
 
@@ -420,6 +421,9 @@ class Learner:
         if self.ef_residual is not None:
             residual_leaves = self.treedef.flatten_up_to(self.ef_residual)
             residual = F.gather(residual_leaves, self.cut[p])
+            if self.unsent_in_params[p]:  # keep_unsent: θ holds it, so Δ = anchor − θ does
+                residual = [jnp.zeros_like(x) for x in residual]
+                self.unsent_in_params[p] = False
         sections, new_residual = self._encode(self.anchor[p], leaves, residual)
         sections = jax.device_get(sections)
         if new_residual is not None:

@@ -210,6 +210,8 @@ def test_config_validation_names_the_field():
         config_lib.replace(int4, **{"compression.keep_unsent": True})
     with pytest.raises(config_lib.ConfigError, match="compression.ef_decay"):
         config_lib.replace(int4, **{"compression.error_feedback": True, "compression.ef_decay": 0})
+    with pytest.raises(config_lib.ConfigError, match="compression.ef_decay"):
+        config_lib.replace(int4, **{"compression.ef_decay": 0.9})
 
 
 def test_ring_allreduce_bytes():

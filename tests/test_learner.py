@@ -119,10 +119,11 @@ def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arriv
         learner.anchor[p] = [np.asarray(leaves[s.index]) + 1.0 for s in frag]
     learner.step = 10
     learner._launch(state, 0)  # top-k sends a few entries; the residual keeps the rest
+    learner._launch(state, 1)
     learner.stop.set()
     [job.result() for job in learner.jobs]
     residual = [np.asarray(x) for x in learner.treedef.flatten_up_to(learner.ef_residual)]
-    for spec in learner.cut[0]:
+    for spec in learner.cut[0] + learner.cut[1]:
         kept = residual[spec.index]
         assert 0 < np.count_nonzero(kept) < kept.size
         assert np.all((kept == 0) | np.isclose(kept, 1.0))
@@ -130,10 +131,23 @@ def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arriv
     other = [np.full(s.shape, -1.0, s.dtype) for s in learner.cut[1]]
     learner.step = 12
     learner.inbox = {0: Inbound(1, merged, 12, pushed_at=10), 1: Inbound(1, other, 12, 3)}
-    new = learner.treedef.flatten_up_to(learner._apply_arrivals(state).params)
+    state = learner._apply_arrivals(state)
+    new = learner.treedef.flatten_up_to(state.params)
     after = [np.asarray(x) for x in learner.treedef.flatten_up_to(learner.ef_residual)]
-    for spec in learner.cut[0]:  # θ ← merged − residual; the residual is now in θ
+    for spec in learner.cut[0]:  # θ ← merged − residual; the buffer keeps it for checkpoints
         np.testing.assert_allclose(np.asarray(new[spec.index]), 2.0 - residual[spec.index])
-        assert not after[spec.index].any()
-    for spec in learner.cut[1]:  # answers no push of this learner: overwritten
+        np.testing.assert_array_equal(after[spec.index], residual[spec.index])
+    for spec in learner.cut[1]:  # answers an older push: overwritten, the residual waits
         np.testing.assert_allclose(np.asarray(new[spec.index]), -1.0)
+        np.testing.assert_array_equal(after[spec.index], residual[spec.index])
+    assert learner.unsent_in_params == [True, False]
+    # The next push of fragment 0: Δ = anchor − θ = residual, which must not be added again.
+    learner.step = 20
+    learner._launch(state, 0)
+    [job.result() for job in learner.jobs]
+    again = [np.asarray(x) for x in learner.treedef.flatten_up_to(learner.ef_residual)]
+    for spec in learner.cut[0]:
+        kept = again[spec.index]
+        assert np.count_nonzero(kept) < np.count_nonzero(residual[spec.index])
+        assert np.all((kept == 0) | np.isclose(kept, 1.0)), "residual counted twice"
+    assert learner.unsent_in_params == [False, False]
