@@ -84,6 +84,13 @@ VARIANTS = (
     ("gather + share, τ=1", {**GATHER, **SHARE, "decoupled.overlap_steps": 1}),
     # One fragment: is the gap to diloco the streaming of fragments? (It is not.)
     ("gather + share, P=1", {**GATHER, **SHARE, "decoupled.fragments": 1}),
+    # Mixing instead of (or on top of) keeping the overlap steps, and outer momentum.
+    ("gather + share, α=0.5, no keep", {**GATHER, **SHARE, _KEEP: False, "decoupled.alpha": 0.5}),
+    ("gather + share, α=0.5", {**GATHER, **SHARE, "decoupled.alpha": 0.5}),
+    (
+        "gather + share, nesterov 0.7/0.5",
+        {**GATHER, **SHARE, "outer.lr": 0.7, "outer.momentum": 0.5, "outer.nesterov": True},
+    ),
 )
 # The heterogeneity runs use the best quorum-1 variant of the first sweep (before τ=5 was tried).
 SLOW_VARIANT = "learner anchor, sgd 0.5/0.0"
