@@ -91,6 +91,8 @@ VARIANTS = (
         "gather + share, nesterov 0.7/0.5",
         {**GATHER, **SHARE, "outer.lr": 0.7, "outer.momentum": 0.5, "outer.nesterov": True},
     ),
+    ("gather + share, outer lr 1.2", {**GATHER, **SHARE, "outer.lr": 1.2}),
+    ("gather + share, outer lr 0.8", {**GATHER, **SHARE, "outer.lr": 0.8}),
 )
 # The heterogeneity runs use the best quorum-1 variant of the first sweep (before τ=5 was tried).
 SLOW_VARIANT = "learner anchor, sgd 0.5/0.0"
