@@ -314,9 +314,10 @@ class CompressionConfig:
       ef_decay: error feedback: the residual is multiplied by this before it is added (1: all
         of it; below 1 it decays like an outer momentum, as in SparseLoCo's β).
       keep_unsent: error feedback: when the merged fragment answering a push arrives, the
-        learner keeps what that push left unsent in its parameters (θ ← merged − residual)
-        and clears the residual, so its own progress is never set back by compression; it is
-        in the fragment's next outer gradient all the same.
+        learner keeps what that push left unsent in its parameters (θ ← merged − residual),
+        so its own progress is never set back by compression; the next push's outer gradient
+        (anchor − θ) holds it, so that push does not add the residual again (which stays
+        buffered until then, for checkpoints).
       downlink: the syncer also compresses merged fragments sent back to learners (as the
         difference from the copy that learner holds, with the same scheme).
     """

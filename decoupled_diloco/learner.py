@@ -124,9 +124,9 @@ class Learner:
         self.next_due = [F.offset(p, num, config.inner_steps) for p in range(num)]
         self.fastest_step_s = 0.0
         self.inbox: dict[int, Inbound] = {}
-        # keep_overlap: per fragment, (step, device copy of θ) at its last push.
-        self.at_push: dict[int, tuple[int, list[jax.Array]]] = {}
         self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
+        # keep_overlap: per fragment, a device copy of θ at its last push.
+        self.at_push: dict[int, list[jax.Array]] = {}
         # keep_unsent: per fragment, whether θ already holds the residual (it stays in the
         # buffer too, so that a checkpoint keeps it: a restart starts θ from the global values).
         self.unsent_in_params = [False] * num
@@ -354,16 +354,18 @@ class Learner:
         if self.config.compression.keep_unsent:
             residual = self.treedef.flatten_up_to(self.ef_residual)
         for p, inbound in ready.items():
+            # A merge answering an older push than the last one is overwritten as is: the
+            # overlap and the residual it would keep belong to the newer push.
+            latest = inbound.pushed_at == self.last_push[p]
             # With keep_overlap: the local progress since the push this merge answers.
             at_push = self.at_push.pop(p, None)
-            if at_push is not None and at_push[0] != inbound.pushed_at:
-                at_push = None  # answers an older push: its overlap is in a newer push
-            unsent = residual is not None and inbound.pushed_at == self.last_push[p]
+            at_push = at_push if latest else None
+            unsent = residual is not None and latest
             for j, (spec, value) in enumerate(zip(self.cut[p], inbound.values, strict=True)):
                 placed = self._place(value, self.shardings[spec.index])
                 local = leaves[spec.index]
                 if at_push is not None:
-                    placed = placed + (local - at_push[1][j])
+                    placed = placed + (local - at_push[j])
                 if unsent:  # the residual is in outer-gradient units: anchor − θ
                     placed = placed - residual[spec.index]
                 leaves[spec.index] = placed if alpha == 0 else alpha * local + (1 - alpha) * placed
@@ -382,7 +384,7 @@ class Learner:
             self.last_push[p] = self.step
         if self.config.decoupled.keep_overlap and not final:
             # A device copy: the next step donates these buffers.
-            self.at_push[p] = (self.step, [jnp.copy(x) for x in leaves])
+            self.at_push[p] = [jnp.copy(x) for x in leaves]
         if self.compressed:
             local = self._compress(p, leaves)
             self.compress_s += time.perf_counter() - t0
@@ -574,7 +576,7 @@ class Learner:
         }
 
 
-def _mesh_shape(config: ExperimentConfig, learner_id: int, override: str) -> tuple[int, int]:
+def mesh_shape_for(config: ExperimentConfig, learner_id: int, override: str) -> tuple[int, int]:
     """This learner's mesh: the `--mesh_shape` flag, else the config."""
     if override:
         parts = override.lower().split("x")
@@ -592,7 +594,7 @@ def main(argv: list[str], warm: Any = None) -> None:
 
     values = flags.FLAGS
     config = config_lib.from_config_dict(values.config)
-    shape = _mesh_shape(config, values.learner_id, values.mesh_shape)
+    shape = mesh_shape_for(config, values.learner_id, values.mesh_shape)
     slowdown = values.slowdown or (
         config.slowdown if config.slow_learner == values.learner_id else 1.0
     )
@@ -669,7 +671,7 @@ if __name__ == "__main__":
         if not flags.FLAGS["verbosity"].present:  # Orbax logs every checkpoint at INFO
             logging.set_verbosity(logging.WARNING)
         config = config_lib.from_config_dict(flags.FLAGS.config)
-        shape = _mesh_shape(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
+        shape = mesh_shape_for(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
         from decoupled_diloco.multihost import local_device_count
 
         configure_cpu_devices(local_device_count(shape[0] * shape[1], flags.FLAGS.num_processes))

@@ -96,7 +96,7 @@ def _check_activation(
       ValueError: the activation names another config, several processes, or a learner whose
         mesh is not this spare's.
     """
-    from decoupled_diloco.config import parse_mesh_shapes
+    from decoupled_diloco.learner import mesh_shape_for
 
     argv = [str(a) for a in activation.get("argv", [])]
     theirs = sorted(a for a in argv if a.startswith("--config"))
@@ -106,12 +106,7 @@ def _check_activation(
     if int(_flag(argv, "num_processes") or 1) != 1 or _flag(argv, "standby"):
         raise ValueError("standby: a spare becomes a single-process learner, not " + str(argv))
     learner = int(_flag(argv, "learner_id") or 0)
-    mesh = _flag(argv, "mesh_shape")
-    wanted = (
-        tuple(int(x) for x in mesh.lower().split("x"))
-        if mesh
-        else parse_mesh_shapes(config)[learner]
-    )
+    wanted = mesh_shape_for(config, learner, _flag(argv, "mesh_shape") or "")
     if wanted != tuple(shape):
         raise ValueError(
             f"standby: learner {learner} needs mesh {wanted}, this spare has {tuple(shape)}"

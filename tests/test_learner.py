@@ -86,7 +86,7 @@ def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
     learner._launch(state, 0)  # fragment 0 pushed at step 10: θ_at_push recorded
     learner.stop.set()  # no syncer here: the background push gives up at once
     [job.result() for job in learner.jobs]
-    at_push = [np.asarray(x) for x in learner.at_push[0][1]]
+    at_push = [np.asarray(x) for x in learner.at_push[0]]
     # The overlap steps' progress: every parameter moved by +0.5.
     state = type(state)(jax.tree.map(lambda x: x + 0.5, state.params), state.opt_state)
     merged = [np.full(s.shape, 2.0, s.dtype) for s in learner.cut[0]]

@@ -61,6 +61,14 @@ def _push(client, specs, arrays, learner=0, fragment=0, rnd=0, base=0, steps=4, 
     )
 
 
+def _two_learners_on_fragment_0(server, client):
+    """Registers learners 0 and 1; fragment 0's specs and a copy of its values."""
+    for i in (0, 1):
+        client.register(i, server.fingerprint)
+    fragment = server.state.fragments[0]
+    return fragment.specs, [v.copy() for v in fragment.values]
+
+
 def _deltas(specs, seed, scale=1e-2):
     rng = np.random.default_rng(seed)
     return [(scale * rng.standard_normal(s.shape)).astype(s.dtype) for s in specs]
@@ -214,10 +222,7 @@ def test_late_push_is_dropped_and_changes_nothing(syncer):
 )
 def test_stale_push_within_bound_is_anchored_as_configured(syncer):
     server, client = syncer
-    for i in (0, 1):
-        client.register(i, server.fingerprint)
-    specs = server.state.fragments[0].specs
-    theta0 = [v.copy() for v in server.state.fragments[0].values]
+    specs, theta0 = _two_learners_on_fragment_0(server, client)
     _push(client, specs, _deltas(specs, 1), learner=0)
     _push(client, specs, _deltas(specs, 2), learner=1)
     assert client.pull(0, 0, min_version=1, wait_s=10)[0] == 1
@@ -411,10 +416,7 @@ def test_client_retries_until_the_syncer_is_up_and_the_push_counts_once():
 def test_share_merge_of_one_learner_of_two_moves_half_way(syncer):
     """partial_merge="share": a merge holding 1 of the 2 learners steps by 1/2 of its delta."""
     server, client = syncer
-    for i in (0, 1):
-        client.register(i, server.fingerprint)
-    specs = server.state.fragments[0].specs
-    anchor = [v.copy() for v in server.state.fragments[0].values]
+    specs, anchor = _two_learners_on_fragment_0(server, client)
     d0 = _deltas(specs, 1)
     _push(client, specs, d0, learner=0, fragment=0)
     version, got = client.pull(0, 0, min_version=1, wait_s=10)
