@@ -244,11 +244,15 @@ class Learner:
                 return
             # Short waits, so that a learner shutting down is never held by a pending pull.
             wait_s = min(self.config.decoupled.syncer.rpc_timeout_s, 5.0)
+            # An accepted push waits in the fragment's open round, which the next merge closes:
+            # wait for that merge (it holds this push), not for any version newer than `base`
+            # (a merge of other learners' pushes that closed while this one was on its way).
+            want = max(base, reply.version) + 1 if reply.accepted else base + 1
             version = -1
             while version < 0 and not self.stop.is_set():
                 # `have`: with a compressed downlink the syncer sends the difference from it.
                 pull = functools.partial(
-                    self.client.pull, self.id, p, base + 1, wait_s, have=(base, anchor)
+                    self.client.pull, self.id, p, want, wait_s, have=(base, anchor)
                 )
                 pulled = recovery.retrying(pull, self.stop)  # the syncer may be restarting
                 if pulled is None:

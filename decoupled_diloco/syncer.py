@@ -220,7 +220,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         specs = self.state.fragments[request.fragment].specs
         if self.downlink is not None and request.learner_id >= 0:
             yield from self._compressed_pull(request, version, values, specs)
-            self.state.record_sync_time(request.fragment, version)
+            self.state.record_sync_time(request.fragment, version, request.learner_id)
             return
         pieces = self._payload(request.fragment, version, values)
         total = sum(s.nbytes for s in specs)
@@ -232,7 +232,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             data=pieces[0],
         )
         yield from pieces[1:]  # already encoded data-only chunks
-        self.state.record_sync_time(request.fragment, version)
+        self.state.record_sync_time(request.fragment, version, request.learner_id)
 
     def _compressed_pull(
         self, request: pb.PullRequest, version: int, values: list, specs: list

@@ -178,6 +178,9 @@ class FragmentState:
         self.history = {0: self.values}
         self.pending: dict[int, Push] = {}
         self.first_push_t = self.quorum_t = self.closed_t = None
+        # version -> learners whose pushes it merged and that have not pulled it yet: only
+        # their pulls are return trips (ξ_sync); anyone else's pull of it is just catching up.
+        self.awaiting_sync: dict[int, set[int]] = {}
         self.grace_s = 0.0
         self.merges = self.late = self.duplicates = 0
 
@@ -440,9 +443,12 @@ class SyncerState:
         frag.merges += 1
         self.merge_sizes[len(pushes)] += 1
         frag.history[frag.version] = frag.values
+        frag.awaiting_sync[frag.version] = {x.learner_id for x in pushes}
         keep = self.config.decoupled.syncer.max_staleness
         for v in [v for v in frag.history if v < frag.version - keep]:
             del frag.history[v]
+        for v in [v for v in frag.awaiting_sync if v < frag.version - keep]:
+            del frag.awaiting_sync[v]
         now = self.clock()
         self.merge_log.append(
             {
@@ -483,11 +489,18 @@ class SyncerState:
                 self._maybe_close(p)
             return frag.published, frag.published_values
 
-    def record_sync_time(self, p: int, version: int) -> None:
-        """After a merged fragment reached a learner: time since its round closed (ξ_sync)."""
+    def record_sync_time(self, p: int, version: int, learner_id: int) -> None:
+        """After a pull delivered `version`: time since its round closed (ξ_sync).
+
+        Counted once per learner whose push that merge holds: a learner that pulls a version
+        merged without it (catching up, or the evaluator) did not wait for it, and the time
+        since that close would inflate ξ_sync and shrink every later grace window to nothing.
+        """
         with self.lock:
             frag = self.fragments[p]
-            if frag.published == version and frag.closed_t is not None:
+            waiting = frag.awaiting_sync.get(version, set())
+            if frag.published == version and frag.closed_t is not None and learner_id in waiting:
+                waiting.discard(learner_id)
                 self.ema_sync.update(self.clock() - frag.closed_t)
 
     def status(self) -> dict[str, Any]:

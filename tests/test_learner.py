@@ -76,6 +76,47 @@ def test_two_learners_with_alpha_mixing_and_different_meshes_exchange_fragments(
         server.stop(0)
 
 
+def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
+    config = _config(
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 1,
+            "decoupled.overlap_steps": 2,
+            "decoupled.grace_safety": 0.5,
+        }
+    )
+    server = SyncerServer(config, host="127.0.0.1", port=0).start()
+    learners = []
+    try:
+        server.state.ema_step.update(1.0)  # grace window 0.5 * 2 steps * 1 s = 1 s
+        address = f"127.0.0.1:{server.port}"
+        for i in (0, 1):
+            learners.append(
+                Learner(config, i, address, devices=jax.devices()[i : i + 1], mesh_shape=(1, 1))
+            )
+            learners[i].connect(peers_s=0)
+        host = [np.asarray(x) - 0.25 for x in learners[0].anchor[0]]  # θ: anchor − 0.25
+        # Learner 1's push of version 0 merges alone once its grace window has passed.
+        learners[1]._sync(0, 0, 0, learners[1].anchor[0], host, 4, 64, True, 4)
+        deadline = time.monotonic() + 30
+        while server.state.fragments[0].version < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # Learner 0's push, still anchored at version 0, joins the next round (version 2):
+        # what comes back must hold it, not be version 1, merged before it arrived.
+        learners[0]._sync(0, 0, 0, learners[0].anchor[0], host, 4, 64, False, 4)
+        inbound = learners[0].inbox[0]
+        assert inbound.version == 2 == server.state.fragments[0].version
+        assert server.state.merge_log[-1]["learners"] == [0]
+        for got, want in zip(inbound.values, server.state.fragments[0].values, strict=True):
+            np.testing.assert_array_equal(got, want)
+    finally:
+        for learner in learners:
+            learner.stop.set()
+            learner.client.close()
+        server.stop(0)
+
+
 def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
     from decoupled_diloco.learner import Inbound
 

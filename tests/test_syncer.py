@@ -289,7 +289,12 @@ def test_grace_window_follows_eq3_with_emas_and_waits_for_a_second_learner():
 
     # A sync time sample (the merged fragment reached a learner 0.05 s after the close).
     clock.t += 0.05
-    state.record_sync_time(0, 1)
+    state.record_sync_time(0, 1, learner_id=0)
+    # Later pulls of version 1 are not return trips: learner 0's again, the evaluator's (-1).
+    clock.t += 0.5
+    state.record_sync_time(0, 1, learner_id=0)
+    state.record_sync_time(0, 1, learner_id=-1)
+    assert state.ema_sync.get() == pytest.approx(0.05)
     # Round 2: only learner 0 pushes; the window (with the new EMAs) passes and it merges alone.
     push(0, 1)
     want = grace_window(ema_step, 0.0, 0.05, overlap_steps=2, safety=0.5, cap_s=10.0)
