@@ -349,8 +349,11 @@ class Learner:
         self.blocked_s += time.perf_counter() - t0
         if not ready:
             return state
-        t0 = time.perf_counter()
         leaves = self.treedef.flatten_up_to(state.params)
+        # As in `_launch`: the dispatched steps that produce these values finish outside the
+        # timer (with one device the loop may run a whole round ahead of the compute).
+        jax.block_until_ready([leaves[s.index] for p in ready for s in self.cut[p]])
+        t0 = time.perf_counter()
         alpha = self.config.decoupled.alpha
         # keep_unsent: the residual moves into the parameters when the merge answering the
         # push that left it arrives (the next push then must not add it again).

@@ -93,7 +93,28 @@ VARIANTS = (
     ),
     ("gather + share, outer lr 1.2", {**GATHER, **SHARE, "outer.lr": 1.2}),
     ("gather + share, outer lr 0.8", {**GATHER, **SHARE, "outer.lr": 0.8}),
+    # From here on, after the return-trip fix (see FIXED_FROM).
+    *((f"gather + share, learner anchor, repeat {n}", {**GATHER, **SHARE}) for n in (4, 5)),
+    ("gather + share, τ=2", {**GATHER, **SHARE, "decoupled.overlap_steps": 2}),
+    ("gather + share, τ=1, again", {**GATHER, **SHARE, "decoupled.overlap_steps": 1}),
+    ("gather + share, P=1, again", {**GATHER, **SHARE, "decoupled.fragments": 1}),
+    # The nearly synchronous limit: one fragment, both pushes in every merge, no overlap
+    # (the learner applies the merge at the first step boundary after it arrives).
+    (
+        "nearly synchronous, P=1, τ=0, quorum 2",
+        {
+            **GATHER,
+            **SHARE,
+            "decoupled.fragments": 1,
+            "decoupled.overlap_steps": 0,
+            "decoupled.quorum": 2,
+        },
+    ),
 )
+# The first variant run after the syncer's return-trip fix (ξ_sync counted only for learners
+# whose push a merge holds; a learner's pull waits for the merge holding its push) and the
+# host-copy timer fix (the wait for steps dispatched ahead is no longer counted).
+FIXED_FROM = "gather + share, learner anchor, repeat 4"
 # The heterogeneity runs use the best quorum-1 variant of the first sweep (before τ=5 was tried).
 SLOW_VARIANT = "learner anchor, sgd 0.5/0.0"
 SLOW = {"slow_learner": 1, "slowdown": 3.0, "eval.every": 50}
@@ -148,11 +169,20 @@ def _spread(decoupled: dict[str, dict], dp_loss: float) -> list[str]:
     if len(ratios) < 2:
         return []
     mean = sum(ratios) / len(ratios)
+    under = sum(r <= 1.08 for r in ratios)
     return [
-        f"Gather + share, {len(ratios)} runs of the same command: ratio to dp mean "
-        f"{mean:.4f}, range {min(ratios):.4f}-{max(ratios):.4f} (target ≤ 1.08).",
+        f"Gather + share, {len(ratios)} runs of the same command (every round gathered both "
+        f"learners, before the fixes and after): ratio to dp mean {mean:.4f}, range "
+        f"{min(ratios):.4f}-{max(ratios):.4f}, {under} of {len(ratios)} at or under the "
+        "target (≤ 1.08).",
         "",
     ]
+
+
+def _sizes(summary: dict) -> str:
+    """How many merges held 1, 2, ... learners ("-" for dp and diloco)."""
+    sizes = summary.get("merge_sizes")
+    return ", ".join(str(n) for n in sizes[1:]) if sizes else "-"
 
 
 def time_to(summary: dict, target: float) -> float | None:
@@ -180,7 +210,9 @@ def main() -> None:
     dp = _baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
     diloco = _baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
     rows, decoupled = [], {}
+    fixed = False
     for name, overrides in VARIANTS:
+        fixed = fixed or name == FIXED_FROM
         tag = name.replace(" ", "_").replace("/", "-").replace("=", "").replace(",", "")
         tag = tag.replace("τ", "tau")
         decoupled[name] = s = run(
@@ -189,7 +221,7 @@ def main() -> None:
         stall = max(x["stall_fraction"] for x in s["learners"])
         host = max(x["sync_host_fraction"] for x in s["learners"])
         rows.append(
-            f"| decoupled {name} | {s['final_eval_loss']:.4f} | "
+            f"| decoupled {name}{'' if fixed else ' †'} | {s['final_eval_loss']:.4f} | "
             f"{s['final_eval_loss'] / dp['final_eval_loss']:.4f} | {s['outer_syncs']} | "
             f"{100 * stall:.3f}% | {100 * host:.2f}% | {s['wall_s']:.0f} |"
         )
@@ -218,6 +250,15 @@ def main() -> None:
         "Stall: wall time a learner's step loop spent waiting on the syncer (target ≤ 1%). "
         "Host copies: the loop's own device→host copies of due fragments and device puts of "
         "merged ones (not waiting on anything remote).",
+        "",
+        "† ran before two fixes: (1) the syncer's moving average of the sync time (ξ_sync in "
+        "Eq. 3) counted every pull, also a learner catching up on a version merged without it, "
+        "which inflated it to seconds and shut the grace window (`gather + share, τ=1 †`: "
+        "ξ_sync 2.15 s, no round gathered); now only the return trip to learners whose push "
+        "the merge holds counts, and a learner's pull waits for the merge that holds its push. "
+        "(2) The host-copy timer also counted the wait for inner steps dispatched ahead of "
+        "the device (`P=1 †`: 43.9%); the wait now happens before the timer starts. A round "
+        "that gathers both pushes is merged the same way before and after (1).",
         "",
     ]
     slow_runs: list[dict] = []
@@ -289,7 +330,7 @@ def main() -> None:
         "seconds apart, so at τ=5 almost every merge holds one learner (merges ≈ pushes) and "
         "outer lr 1 then replaces the global fragment by that learner's. τ=10 with γ=1 and a "
         "10 s cap gathers them (merges ≈ rounds); the learners never wait, and keep_overlap keeps "
-        "what they train meanwhile.",
+        "what they train meanwhile. All rows ran before the fixes (see the first table's †).",
         "",
         "| run | final eval loss | ratio to diloco | merges |",
         "|---|---|---|---|",
@@ -326,31 +367,57 @@ def main() -> None:
             {"mode": "decoupled", **bench_quality.LONG, **GATHER, **SHARE},
             workroot,
         )
-        long_runs = [long_dp, long_diloco, long_dec, long_gather, long_gather_share, long_repeat]
+        # After the return-trip fix (commit "Syncer: ξ_sync counts only the return trip ..."):
+        # the same command, twice.
+        long_fixed = [
+            run(
+                f"long_decoupled_gather_share_fix{suffix}",
+                {"mode": "decoupled", **bench_quality.LONG, **GATHER, **SHARE},
+                workroot,
+            )
+            for suffix in ("", "_repeat")
+        ]
+        long_runs = [
+            long_dp,
+            long_diloco,
+            long_dec,
+            long_gather,
+            long_gather_share,
+            long_repeat,
+            *long_fixed,
+        ]
         lines += [
             "### M=4, H=50, 2,000 steps per learner (16.4M tokens per run)",
             "",
             "Decoupled: quorum 1, P=4, RDA; the first row τ=2 with the learner anchor and outer "
-            "SGD lr 0.25 (1/M), the others the gathering settings of the M=4/300-step table "
-            "(over 2,000 steps the learners drift apart and merges gather fewer of them, which "
-            "`share` steps correctly). Target (issue 3): decoupled ≤ 1.01 × diloco.",
+            "SGD lr 0.25 (1/M), the others the gathering settings of the M=4/300-step table. "
+            "Rows marked † ran before the return-trip fix: the syncer's moving average of the "
+            "sync time (ξ_sync in Eq. 3) counted every pull, also a learner catching up on a "
+            "version merged without it seconds earlier, so it grew to 3-9 s, the grace window "
+            "shrank to nothing, and most merges held one learner (merge sizes 311 ones of 424 "
+            "merges, and 491 of 556). The fix counts only the return trip to the learners whose "
+            "push the merge holds, and a learner's pull waits for the merge that holds its push. "
+            "Target (issue 3): decoupled ≤ 1.01 × diloco.",
             "",
-            "| run | final eval loss | ratio to dp | ratio to diloco | merges | wall s |",
-            "|---|---|---|---|---|---|",
+            "| run | final eval loss | ratio to dp | ratio to diloco | merges | merge sizes "
+            "(1, 2, 3, 4 learners) | wall s |",
+            "|---|---|---|---|---|---|---|",
         ]
         for name, s in (
             ("dp", long_dp),
             ("diloco sgd 1.0/0.0", long_diloco),
             ("decoupled (τ=2, learner anchor, lr 0.25)", long_dec),
             ("decoupled gather (τ=10, γ=1, grace ≤ 10 s, keep overlap, lr 1)", long_gather),
-            ("decoupled gather + share, learner anchor", long_gather_share),
-            ("decoupled gather + share, learner anchor (the same command again)", long_repeat),
+            ("decoupled gather + share, learner anchor †", long_gather_share),
+            ("decoupled gather + share, learner anchor † (the same command again)", long_repeat),
+            ("decoupled gather + share, learner anchor", long_fixed[0]),
+            ("decoupled gather + share, learner anchor (the same command again)", long_fixed[1]),
         ):
             lines.append(
                 f"| {name} | {s['final_eval_loss']:.4f} | "
                 f"{s['final_eval_loss'] / long_dp['final_eval_loss']:.4f} | "
                 f"{s['final_eval_loss'] / long_diloco['final_eval_loss']:.4f} | "
-                f"{s.get('outer_syncs', '-')} | {s['wall_s']:.0f} |"
+                f"{s.get('outer_syncs', '-')} | {_sizes(s)} | {s['wall_s']:.0f} |"
             )
         lines.append("")
     lines += ["Commands of each run:", ""]
