@@ -36,6 +36,7 @@ from typing import Any
 
 from decoupled_diloco import timeline as timeline_lib
 from decoupled_diloco.timeline_plot import plot_goodput, plot_timeline
+from experiments.configs.tiny_lm_decoupled import BEFORE_GATHER
 from tools.run_benchmarks import machine_description
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -198,9 +199,9 @@ def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
     common = {"num_learners": 4, "train_steps": args.steps, "checkpoint.every": args.ckpt}
     common.update({"eval.every": 0, "log_every": 50})
     decoupled_cfg = "experiments/configs/tiny_lm_decoupled.py"
-    # Quorum 1 merges hold about one learner each: an outer step of 1/M (the config's 0.5 is
-    # 1/M for its 2 learners) sums to about a plain average per round.
-    decoupled = {**common, "outer.lr": 1 / common["num_learners"]}
+    # The settings these runs were measured with; quorum 1 merges of about one learner each,
+    # so an outer step of 1/M sums to about a plain average per round.
+    decoupled = {**BEFORE_GATHER, **common, "outer.lr": 1 / common["num_learners"]}
     chaos = run(
         root / "decoupled_chaos", decoupled_cfg, {**decoupled, **STANDBY, "chaos": schedule}
     )
@@ -324,6 +325,7 @@ def torchft_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
         "checkpoint.every": args.ft_ckpt,
         "eval.every": 0,
         "log_every": 50,
+        **BEFORE_GATHER,  # the settings these runs were measured with
     }
     cfg = "experiments/configs/tiny_lm_decoupled.py"
     free = run(root / "ft_free", cfg, common)

@@ -22,113 +22,24 @@ import subprocess
 import sys
 
 from tools import bench_quality
+from tools.decoupled_variants import (
+    DECOUPLED,
+    FIXED_FROM,
+    GATHER,
+    KEEP5,
+    LONG_DECOUPLED,
+    M4_SHORT,
+    SEEDS,
+    SETTING,
+    SGD1,
+    SHARE,
+    SLOW,
+    SLOW_STEPS,
+    SLOW_VARIANT,
+    VARIANTS,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SETTING = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
-DECOUPLED = {
-    "decoupled.fragments": 4,
-    "decoupled.overlap_steps": 2,
-    "decoupled.quorum": 1,
-    "outer.merge": "rda",
-}
-_NESTEROV = {"outer.lr": 0.7, "outer.momentum": 0.9, "outer.nesterov": True}
-_SGD1 = {"outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False}
-_KEEP = "decoupled.keep_overlap"
-KEEP5 = "sgd 1.0/0.0, τ=5, keep overlap"
-# M=4 with quorum 1 and a grace window long enough to gather the learners' pushes (τ=10 steps
-# of slack, γ=1, up to 10 s) into one merge; the steps trained while waiting are kept.
-GATHER = {
-    **DECOUPLED,
-    **_SGD1,
-    "decoupled.overlap_steps": 10,
-    "decoupled.keep_overlap": True,
-    "decoupled.grace_safety": 1.0,
-    "decoupled.syncer.max_grace_s": 10,
-}
-# partial_merge="share" (a merge of k of M learners steps k/M of the way) with each learner's
-# own outer gradient: right both for gathered rounds and for lone pushes.
-SHARE = {"decoupled.partial_merge": "share", "decoupled.stale_anchor": "learner"}
-# (name, overrides on top of DECOUPLED)
-VARIANTS = (
-    ("nesterov 0.7/0.9", _NESTEROV),
-    ("delayed nesterov 0.7/0.9 N=2", {**_NESTEROV, "outer.delayed_nesterov": 2}),
-    ("sgd 1.0/0.0", _SGD1),
-    ("nesterov 0.7/0.9, quorum 2", {**_NESTEROV, "decoupled.quorum": 2}),
-    ("sgd 1.0/0.0, quorum 2", {**_SGD1, "decoupled.quorum": 2}),
-    (
-        "learner anchor, sgd 0.5/0.0",
-        {**_SGD1, "outer.lr": 0.5, "decoupled.stale_anchor": "learner"},
-    ),
-    (
-        "learner anchor, delayed nesterov 0.7/0.9 N=2",
-        {**_NESTEROV, "outer.delayed_nesterov": 2, "decoupled.stale_anchor": "learner"},
-    ),
-    # τ=5 leaves the grace window room to gather both learners' pushes into one merge;
-    # keep_overlap keeps the steps trained meanwhile (decoupled.keep_overlap).
-    ("sgd 1.0/0.0, τ=5", {**_SGD1, "decoupled.overlap_steps": 5}),
-    ("sgd 1.0/0.0, τ=5, keep overlap", {**_SGD1, "decoupled.overlap_steps": 5, _KEEP: True}),
-    # The same command again (a second directory): decoupled runs are not bit-repeatable.
-    (
-        "sgd 1.0/0.0, τ=5, keep overlap, repeat",
-        {**_SGD1, "decoupled.overlap_steps": 5, _KEEP: True},
-    ),
-    # The M=4 tables' best settings; four runs of the same command, for the spread.
-    *(
-        (f"gather + share, learner anchor{suffix}", {**GATHER, **SHARE})
-        for suffix in ("", ", repeat", ", repeat 2", ", repeat 3")
-    ),
-    # Tried on top of it: plain weighted mean instead of RDA (as diloco merges), and τ=5.
-    ("gather + share, mean merge", {**GATHER, **SHARE, "outer.merge": "mean"}),
-    ("gather + share, mean merge, repeat", {**GATHER, **SHARE, "outer.merge": "mean"}),
-    ("gather + share, τ=5", {**GATHER, **SHARE, "decoupled.overlap_steps": 5}),
-    ("gather + share, τ=1", {**GATHER, **SHARE, "decoupled.overlap_steps": 1}),
-    # One fragment: is the gap to diloco the streaming of fragments? (It is not.)
-    ("gather + share, P=1", {**GATHER, **SHARE, "decoupled.fragments": 1}),
-    # Mixing instead of (or on top of) keeping the overlap steps, and outer momentum.
-    ("gather + share, α=0.5, no keep", {**GATHER, **SHARE, _KEEP: False, "decoupled.alpha": 0.5}),
-    ("gather + share, α=0.5", {**GATHER, **SHARE, "decoupled.alpha": 0.5}),
-    (
-        "gather + share, nesterov 0.7/0.5",
-        {**GATHER, **SHARE, "outer.lr": 0.7, "outer.momentum": 0.5, "outer.nesterov": True},
-    ),
-    ("gather + share, outer lr 1.2", {**GATHER, **SHARE, "outer.lr": 1.2}),
-    ("gather + share, outer lr 0.8", {**GATHER, **SHARE, "outer.lr": 0.8}),
-    # From here on, after the return-trip fix (see FIXED_FROM).
-    *((f"gather + share, learner anchor, repeat {n}", {**GATHER, **SHARE}) for n in (4, 5)),
-    ("gather + share, τ=2", {**GATHER, **SHARE, "decoupled.overlap_steps": 2}),
-    ("gather + share, τ=1, again", {**GATHER, **SHARE, "decoupled.overlap_steps": 1}),
-    ("gather + share, P=1, again", {**GATHER, **SHARE, "decoupled.fragments": 1}),
-    # The nearly synchronous limit: one fragment, both pushes in every merge, no overlap
-    # (the learner applies the merge at the first step boundary after it arrives).
-    (
-        "nearly synchronous, P=1, τ=0, quorum 2",
-        {
-            **GATHER,
-            **SHARE,
-            "decoupled.fragments": 1,
-            "decoupled.overlap_steps": 0,
-            "decoupled.quorum": 2,
-        },
-    ),
-)
-# The first variant run after the syncer's return-trip fix (ξ_sync counted only for learners
-# whose push a merge holds; a learner's pull waits for the merge holding its push) and the
-# host-copy timer fix (the wait for steps dispatched ahead is no longer counted).
-FIXED_FROM = "gather + share, learner anchor, repeat 4"
-# The heterogeneity runs use the best quorum-1 variant of the first sweep (before τ=5 was tried).
-SLOW_VARIANT = "learner anchor, sgd 0.5/0.0"
-SLOW = {"slow_learner": 1, "slowdown": 3.0, "eval.every": 50}
-# Twice the steps, so that both modes can reach dp's final loss (neither does within 300).
-SLOW_STEPS = 600
-# M=4 at the foundation's long setting, against `tools.bench_quality`'s long dp/diloco runs.
-LONG_DECOUPLED = {
-    **DECOUPLED,
-    "outer.lr": 0.25,  # 1/M: with quorum 1 each merge holds about one learner's progress
-    "outer.momentum": 0.0,
-    "outer.nesterov": False,
-    "decoupled.stale_anchor": "learner",
-}
-M4_SHORT = {"num_learners": 4, "inner_steps": 50, "train_steps": 300}
 
 
 def run(name: str, args: dict, workroot: pathlib.Path) -> dict:
@@ -183,6 +94,47 @@ def _sizes(summary: dict) -> str:
     """How many merges held 1, 2, ... learners ("-" for dp and diloco)."""
     sizes = summary.get("merge_sizes")
     return ", ".join(str(n) for n in sizes[1:]) if sizes else "-"
+
+
+def _seeds(workroot: pathlib.Path, dp: dict, diloco: dict, decoupled: dict[str, dict]) -> dict:
+    """dp, diloco and decoupled gather + share at other seeds (init and data order differ)."""
+    ratios0 = [
+        s["final_eval_loss"] / dp["final_eval_loss"]
+        for name, s in decoupled.items()
+        if name.startswith("gather + share, learner anchor")
+    ]
+    lines = [
+        "### Other seeds: how much of the gap to diloco is the draw",
+        "",
+        "The same M=2 commands with `--config.seed` (the initial parameters and each learner's "
+        "data order change; the validation batches do not). Seed 0 is the table above "
+        f"(decoupled: the mean of its {len(ratios0)} gather + share runs).",
+        "",
+        "| seed | dp final eval loss | diloco / dp | decoupled gather + share / dp |",
+        "|---|---|---|---|",
+        f"| 0 | {dp['final_eval_loss']:.4f} | "
+        f"{diloco['final_eval_loss'] / dp['final_eval_loss']:.4f} | "
+        f"{sum(ratios0) / max(len(ratios0), 1):.4f} |",
+    ]
+    runs = []
+    for seed in SEEDS:
+        setting = {**bench_quality.SHORT, "seed": seed}
+        s_dp = _baseline(f"short_seed{seed}:dp", "dp", (0.7, 0.9, True), workroot, setting)
+        s_diloco = _baseline(
+            f"short_seed{seed}:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, setting
+        )
+        s_dec = run(
+            f"decoupled_gather_share_seed{seed}",
+            {"mode": "decoupled", **SETTING, **GATHER, **SHARE, "seed": seed},
+            workroot,
+        )
+        base = s_dp["final_eval_loss"]
+        lines.append(
+            f"| {seed} | {base:.4f} | {s_diloco['final_eval_loss'] / base:.4f} | "
+            f"{s_dec['final_eval_loss'] / base:.4f} |"
+        )
+        runs += [s_dp, s_diloco, s_dec]
+    return {"lines": [*lines, ""], "runs": runs}
 
 
 def time_to(summary: dict, target: float) -> float | None:
@@ -261,6 +213,8 @@ def main() -> None:
         "that gathers both pushes is merged the same way before and after (1).",
         "",
     ]
+    seed_runs = _seeds(workroot, dp, diloco, decoupled)
+    lines += seed_runs.pop("lines")
     slow_runs: list[dict] = []
     if not args.skip_slow:
         # Quorum 1 is the point of the comparison: the fast learner must not wait.
@@ -301,7 +255,7 @@ def main() -> None:
                 f"| {cells} |"
             )
         lines.append("")
-    m4_diloco = run("m4_300_diloco_lr1.0-m0.0", {"mode": "diloco", **M4_SHORT, **_SGD1}, workroot)
+    m4_diloco = run("m4_300_diloco_lr1.0-m0.0", {"mode": "diloco", **M4_SHORT, **SGD1}, workroot)
     m4_runs = {
         "decoupled sgd 1.0/0.0, τ=5, keep overlap": run(
             "m4_300_decoupled_sgd_1.0-0.0_tau5_keep_overlap",
@@ -313,7 +267,7 @@ def main() -> None:
         ),
         "decoupled share, learner anchor, τ=2, lr 1": run(
             "m4_300_decoupled_share_t2",
-            {"mode": "decoupled", **M4_SHORT, **DECOUPLED, **_SGD1, **SHARE},
+            {"mode": "decoupled", **M4_SHORT, **DECOUPLED, **SGD1, **SHARE},
             workroot,
         ),
         "decoupled gather + share, learner anchor": run(
@@ -425,6 +379,7 @@ def main() -> None:
         dp,
         diloco,
         *decoupled.values(),
+        *seed_runs["runs"],
         *slow_runs,
         m4_diloco,
         *m4_runs.values(),

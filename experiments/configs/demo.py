@@ -15,7 +15,9 @@ from experiments.configs import tiny_lm_decoupled
 
 
 def get_config():
-    base = c.from_config_dict(tiny_lm_decoupled.get_config())
+    base = c.replace(  # the settings the demo was measured with (benchmarks/results/demo.md)
+        c.from_config_dict(tiny_lm_decoupled.get_config()), **tiny_lm_decoupled.BEFORE_GATHER
+    )
     return c.as_config_dict(
         dataclasses.replace(
             base,
