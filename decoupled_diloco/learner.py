@@ -249,7 +249,10 @@ class Learner:
             # (a merge of other learners' pushes that closed while this one was on its way).
             want = max(base, reply.version) + 1 if reply.accepted else base + 1
             version = -1
-            while version < 0 and not self.stop.is_set():
+            # A newer push of p takes over the wait (one waiting pull per fragment): that merge
+            # may be long in coming (this push folded into a newer one, or lost with a
+            # restarted syncer's unsaved state), and the newer pull brings what is there.
+            while version < 0 and not self.stop.is_set() and self.rounds[p] == rnd + 1:
                 # `have`: with a compressed downlink the syncer sends the difference from it.
                 pull = functools.partial(
                     self.client.pull, self.id, p, want, wait_s, have=(base, anchor)

@@ -99,7 +99,9 @@ def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_pat
     assert summary["lost_steps"] == learner1["lost_steps"]
     # The link: calls were dropped and retried; re-sent pushes were recognised, not re-merged.
     assert summary["learners"][0]["retries"] > 0
-    # (the syncer's own duplicate counters start afresh when it restarts; the learners' do not)
+    # (the syncer's own duplicate counters start afresh when it restarts; the learners' do not).
+    # Drops are drawn per RPC method: with seed 0 the replies of learner 0's 3rd and 4th push
+    # attempts are lost, whatever the other calls do.
     assert sum(x["pushes"]["duplicate"] for x in summary["learners"]) > 0
     # Nothing double-counted: the steps merged from each learner, per fragment, add up to at
     # most the steps it trained (a push merged twice would count its steps twice).

@@ -104,6 +104,7 @@ def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
             time.sleep(0.02)
         # Learner 0's push, still anchored at version 0, joins the next round (version 2):
         # what comes back must hold it, not be version 1, merged before it arrived.
+        learners[0].rounds[0] = 1  # as `_launch` leaves it: round 0 is the newest push of 0
         learners[0]._sync(0, 0, 0, learners[0].anchor[0], host, 4, 64, False, 4)
         inbound = learners[0].inbox[0]
         assert inbound.version == 2 == server.state.fragments[0].version

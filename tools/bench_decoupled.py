@@ -240,7 +240,8 @@ def main() -> None:
             "",
             f"{SLOW_STEPS} steps per learner (twice the dp run's), so that the runs can reach "
             "dp's final loss. Seconds of training (process start-up excluded) until the global "
-            "model's eval loss first reaches the target; evaluated every 50 steps.",
+            "model's eval loss first reaches the target; evaluated every 50 steps. Both runs "
+            "ran before the fixes (see the first table's †).",
             "",
             "| run | final eval loss | tokens | wall s | "
             + " | ".join(f"to ≤ {f:.2f}×dp ({f * target:.3f})" for f in (1.0, 1.05, 1.1, 1.2))

@@ -12,7 +12,9 @@ starts and ends while the learner runs:
     lost. The client retries both; the second kind re-sends work the syncer already has, which
     its per-(learner, fragment, round) idempotency must not count twice.
 
-Drops are drawn from a generator seeded by the schedule's seed and the learner id.
+Drops are drawn from generators seeded by the schedule's seed, the learner id and the RPC method:
+each method's calls see the same drops in the same order however calls of different methods
+interleave across threads (so a seed decides, say, which push replies are lost).
 """
 
 from __future__ import annotations
@@ -76,25 +78,28 @@ class DegradedLink(
 
     def __init__(self, controls: chaos.Controls, learner: int):
         self.controls, self.learner = controls, learner
-        self._rng: random.Random | None = None
+        self._seed: str | None = None
+        self._rngs: dict[str, random.Random] = {}
         self._lock = threading.Lock()
         self.dropped = {"request": 0, "reply": 0}
 
     def _values(self) -> dict[str, Any]:
         values = self.controls.get()
-        if self._rng is None and values:
-            self._rng = random.Random(f"{values.get('seed', 0)}:link:{self.learner}")
+        if self._seed is None and values:
+            self._seed = f"{values.get('seed', 0)}:link:{self.learner}"
         return values
 
-    def _drop(self, values: dict[str, Any]) -> str:
+    def _drop(self, values: dict[str, Any], details: Any) -> str:
         """'' (deliver), 'request' or 'reply': which side of this call is lost."""
         share = float(values.get("drop", 0.0))
-        if share <= 0 or self._rng is None:
+        if share <= 0 or self._seed is None:
             return ""
+        method = str(getattr(details, "method", ""))
         with self._lock:
-            if self._rng.random() >= share:
+            rng = self._rngs.setdefault(method, random.Random(f"{self._seed}:{method}"))
+            if rng.random() >= share:
                 return ""
-            where = "request" if self._rng.random() < 0.5 else "reply"
+            where = "request" if rng.random() < 0.5 else "reply"
             self.dropped[where] += 1
             return where
 
@@ -110,7 +115,7 @@ class DegradedLink(
 
     def _unary_reply(self, continuation: Callable, details: Any, request: Any) -> Any:
         values = self._values()
-        drop = self._drop(values)
+        drop = self._drop(values, details)
         self._delay(values)
         if drop == "request":
             raise DroppedCall("request")
@@ -138,7 +143,7 @@ class DegradedLink(
 
     def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: D102
         values = self._values()
-        drop = self._drop(values)
+        drop = self._drop(values, client_call_details)
         self._delay(values)
         if drop == "request":
             raise DroppedCall("request")
