@@ -268,7 +268,9 @@ class Learner:
             if version >= 0:
                 with self.inbox_lock:
                     held = self.inbox.get(p)
-                    if held is None or held.version < version:
+                    # The same version may answer two pushes (the newer one superseded the
+                    # older in the syncer's open round): it answers the newer one.
+                    if held is None or (held.version, held.pushed_at) < (version, pushed_at):
                         after = pushed_at + self.config.decoupled.overlap_steps
                         self.inbox[p] = Inbound(version, values, after, pushed_at)
         except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
@@ -406,10 +408,13 @@ class Learner:
         ticket = self.outbox.add(
             p, self.versions[p], self.steps_since[p], self.tokens_since[p], not self.compressed
         )
+        # The round moves on before the job starts: `_sync` checks it to know whether a newer
+        # push of p has taken over the wait for a merge.
+        self.rounds[p] += 1
         job = self.pool.submit(
             self._sync,
             p,
-            self.rounds[p],
+            self.rounds[p] - 1,
             self.versions[p],
             self.anchor[p],
             local,
@@ -420,7 +425,6 @@ class Learner:
             ticket,
         )
         self.jobs = [j for j in self.jobs if not j.done()] + [job]
-        self.rounds[p] += 1
         self.steps_since[p] = self.tokens_since[p] = 0
 
     def _compress(self, p: int, leaves: list[jax.Array]) -> _Encoded:

@@ -105,7 +105,13 @@ def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
         # Learner 0's push, still anchored at version 0, joins the next round (version 2):
         # what comes back must hold it, not be version 1, merged before it arrived.
         learners[0].rounds[0] = 1  # as `_launch` leaves it: round 0 is the newest push of 0
-        learners[0]._sync(0, 0, 0, learners[0].anchor[0], host, 4, 64, False, 4)
+        sync = threading.Thread(
+            target=learners[0]._sync, args=(0, 0, 0, learners[0].anchor[0], host, 4, 64, False, 4)
+        )
+        sync.start()
+        sync.join(timeout=60)  # a pull waiting for a version that never comes fails, not hangs
+        learners[0].stop.set()
+        sync.join()
         inbound = learners[0].inbox[0]
         assert inbound.version == 2 == server.state.fragments[0].version
         assert server.state.merge_log[-1]["learners"] == [0]
