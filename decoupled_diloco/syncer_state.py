@@ -444,11 +444,9 @@ class SyncerState:
         self.merge_sizes[len(pushes)] += 1
         frag.history[frag.version] = frag.values
         frag.awaiting_sync[frag.version] = {x.learner_id for x in pushes}
-        keep = self.config.decoupled.syncer.max_staleness
-        for v in [v for v in frag.history if v < frag.version - keep]:
-            del frag.history[v]
-        for v in [v for v in frag.awaiting_sync if v < frag.version - keep]:
-            del frag.awaiting_sync[v]
+        oldest = frag.version - self.config.decoupled.syncer.max_staleness
+        frag.history = {v: x for v, x in frag.history.items() if v >= oldest}
+        frag.awaiting_sync = {v: x for v, x in frag.awaiting_sync.items() if v >= oldest}
         now = self.clock()
         self.merge_log.append(
             {

@@ -70,13 +70,18 @@ def _baseline(
     return summary
 
 
-def _spread(decoupled: dict[str, dict], dp_loss: float) -> list[str]:
-    """The repeated gather + share runs: mean and range of their ratio to dp."""
-    ratios = [
+def _repeat_ratios(decoupled: dict[str, dict], dp_loss: float) -> list[float]:
+    """Ratio to dp of each run of the repeated gather + share command."""
+    return [
         s["final_eval_loss"] / dp_loss
         for name, s in decoupled.items()
         if name.startswith("gather + share, learner anchor")
     ]
+
+
+def _spread(decoupled: dict[str, dict], dp_loss: float) -> list[str]:
+    """The repeated gather + share runs: mean and range of their ratio to dp."""
+    ratios = _repeat_ratios(decoupled, dp_loss)
     if len(ratios) < 2:
         return []
     mean = sum(ratios) / len(ratios)
@@ -98,11 +103,7 @@ def _sizes(summary: dict) -> str:
 
 def _seeds(workroot: pathlib.Path, dp: dict, diloco: dict, decoupled: dict[str, dict]) -> dict:
     """dp, diloco and decoupled gather + share at other seeds (init and data order differ)."""
-    ratios0 = [
-        s["final_eval_loss"] / dp["final_eval_loss"]
-        for name, s in decoupled.items()
-        if name.startswith("gather + share, learner anchor")
-    ]
+    ratios0 = _repeat_ratios(decoupled, dp["final_eval_loss"])
     lines = [
         "### Other seeds: how much of the gap to diloco is the draw",
         "",
