@@ -236,6 +236,9 @@ class DecoupledConfig:
       keep_overlap: on arrival, keep the τ steps trained while the fragment was in flight:
         θ ← merged + (θ − θ_at_push) (as Streaming DiLoCo's eager updates keep local progress),
         instead of overwriting them; those steps then enter the fragment's next push.
+      apply_on_arrival: apply a merged fragment at the first step boundary after it arrives,
+        even before τ steps have passed (τ then only sizes the syncer's grace window): fewer
+        steps trained away from the merged value when the merge comes back early.
       partial_merge: how a merge that holds k of the M learners' pushes steps: "mean" (the
         weighted mean of the k outer gradients, as if they were all) or "share" (that mean
         scaled by k/M: a lone asynchronous push moves the fragment 1/M of a full round's way).
@@ -256,6 +259,7 @@ class DecoupledConfig:
     quorum: int = 1
     alpha: float = 0.0
     keep_overlap: bool = False
+    apply_on_arrival: bool = False
     partial_merge: str = "mean"
     grace_safety: float = 0.5
     ema_decay: float = 0.8

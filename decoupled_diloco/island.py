@@ -7,6 +7,7 @@ and `jax.set_mesh` is only entered inside its methods.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -112,9 +113,13 @@ class Island:
         # a multi-device program queued at once, waiting participants can hold every thread
         # while the last one waits for a thread: a deadlock (seen as a 40 s rendezvous abort).
         # So a multi-device CPU island keeps one step in flight; the host still prepares the
-        # next batch while it runs.
-        self._one_in_flight = self.mesh.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
-        self._in_flight: jax.Array | None = None
+        # next batch while it runs. Otherwise two: enough to hide the host's own work, and a
+        # learner's loop stays close to its device, so a merged fragment that arrives is
+        # applied within a step or two of the device's progress, not after a whole push
+        # interval of steps dispatched ahead from unmerged values.
+        one = self.mesh.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
+        self._max_in_flight = 1 if one else 2
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._init = jax.jit(self._init_fn, out_shardings=self.state_sharding)
         self._step = jax.jit(
             self._step_fn,
@@ -157,11 +162,11 @@ class Island:
         """One inner step. Donates `state`; returns the new state and the loss (on device)."""
         if isinstance(batch, np.ndarray | dict):  # host arrays (a dict: an image batch)
             batch = self.put_batch(batch)
-        if self._one_in_flight and self._in_flight is not None:
-            self._in_flight.block_until_ready()
+        while len(self._in_flight) >= self._max_in_flight:
+            self._in_flight.popleft().block_until_ready()
         with jax.set_mesh(self.mesh):
             state, loss = self._step(state, batch)
-        self._in_flight = loss
+        self._in_flight.append(loss)
         return state, loss
 
     def put_params(self, params: Params) -> Params:

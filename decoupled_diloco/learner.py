@@ -7,9 +7,10 @@ The step loop never waits for the syncer. When fragment p is due (staggered sche
 `fragments`), the loop copies its tensors to the host and hands them to a background worker,
 which computes the outer gradient Δ = anchor_p − θ_p, pushes it, and then waits for the merged
 fragment. A merged fragment that has arrived is applied at the next step boundary at least τ
-(`overlap_steps`) steps after its push: overwritten (`alpha` = 0) or mixed as
-α·local + (1 − α)·global. It becomes the new anchor. What arrives is host numpy; the learner
-puts it onto its own mesh, so learners with different mesh shapes share one syncer.
+(`overlap_steps`) steps after its push (or on arrival, `apply_on_arrival`): overwritten
+(`alpha` = 0) or mixed as α·local + (1 − α)·global. It becomes the new anchor. What arrives is
+host numpy; the learner puts it onto its own mesh, so learners with different mesh shapes share
+one syncer.
 """
 
 from __future__ import annotations
@@ -162,6 +163,9 @@ class Learner:
             )
         self.compress_s = 0.0
         self.round_log: list[dict[str, int]] = []  # bytes per push round (summary, metrics)
+        # Per applied merge: the push it answers and the step it was applied after (the lag is
+        # how many steps trained away from the merged value).
+        self.applied: list[dict[str, int]] = []
         # State timeline (goodput, see `timeline`) and live fault controls, when the launcher
         # set them up; None otherwise.
         self.timeline = Timeline.from_env(f"learner_{learner_id}", [learner_id])
@@ -271,7 +275,8 @@ class Learner:
                     # The same version may answer two pushes (the newer one superseded the
                     # older in the syncer's open round): it answers the newer one.
                     if held is None or (held.version, held.pushed_at) < (version, pushed_at):
-                        after = pushed_at + self.config.decoupled.overlap_steps
+                        d = self.config.decoupled
+                        after = pushed_at + (0 if d.apply_on_arrival else d.overlap_steps)
                         self.inbox[p] = Inbound(version, values, after, pushed_at)
         except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
             if self.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
@@ -383,6 +388,14 @@ class Learner:
                 leaves[spec.index] = placed if alpha == 0 else alpha * local + (1 - alpha) * placed
             self.unsent_in_params[p] = unsent
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
+            self.applied.append(
+                {
+                    "fragment": p,
+                    "version": inbound.version,
+                    "pushed_at": inbound.pushed_at,
+                    "applied_at": self.step,
+                }
+            )
         self.sync_host_s += time.perf_counter() - t0
         return InnerState(jax.tree.unflatten(self.treedef, leaves), state.opt_state)
 
@@ -587,6 +600,7 @@ class Learner:
             "compress_s": self.compress_s,
             "compress_fraction": self.compress_s / max(train_wall, 1e-9),
             "rounds": self.round_log,
+            "applied": self.applied,
         }
 
 

@@ -5,6 +5,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from decoupled_diloco import fragments as F
 from decoupled_diloco.learner import Learner
@@ -121,6 +122,43 @@ def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
         for learner in learners:
             learner.stop.set()
             learner.client.close()
+        server.stop(0)
+
+
+@pytest.mark.parametrize("on_arrival", [False, True])
+def test_a_merge_waits_tau_steps_unless_applied_on_arrival_and_its_lag_is_logged(on_arrival):
+    config = _config(
+        inner_steps=8,
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.overlap_steps": 5,
+            "decoupled.apply_on_arrival": on_arrival,
+        },
+    )
+    server = SyncerServer(config, host="127.0.0.1", port=0).start()
+    address = f"127.0.0.1:{server.port}"
+    learner = Learner(config, 0, address, devices=jax.devices()[:1], mesh_shape=(1, 1))
+    try:
+        learner.connect(peers_s=0)
+        state = learner.island.init(0)
+        host = [np.asarray(x) - 0.25 for x in learner.anchor[0]]
+        learner.rounds[0] = learner.last_push[0] = 1  # as `_launch` leaves it
+        # The only live learner pushed: the round closes at once and the merge comes back.
+        learner._sync(0, 0, 0, learner.anchor[0], host, 4, 64, False, 1)
+        assert learner.inbox[0].apply_after_step == (1 if on_arrival else 6)
+        learner.step = 3  # two steps after the push: applied only on arrival
+        learner._apply_arrivals(state)
+        assert learner.versions[0] == (1 if on_arrival else 0)
+        learner.step = 6
+        learner._apply_arrivals(state)
+        assert learner.versions[0] == 1 and learner.inbox == {}
+        lag = 2 if on_arrival else 5
+        assert learner.applied == [
+            {"fragment": 0, "version": 1, "pushed_at": 1, "applied_at": 1 + lag}
+        ]
+    finally:
+        learner.stop.set()
+        learner.client.close()
         server.stop(0)
 
 

@@ -27,6 +27,7 @@ BEFORE_GATHER = {
     "decoupled.grace_safety": 0.5,
     "decoupled.syncer.max_grace_s": 2.0,
     "decoupled.partial_merge": "mean",
+    "decoupled.apply_on_arrival": False,
 }
 
 
@@ -52,12 +53,15 @@ def get_config():
             # decoupled.md): τ=10 steps of overlap give the grace window (γ=1, up to 10 s) room
             # to gather every learner's push of a round into one merge while nobody waits, the
             # steps trained meanwhile are kept, and a merge of k of M learners steps k/M of
-            # the way, so lone pushes (a learner late or down) are not overweighted.
+            # the way, so lone pushes (a learner late or down) are not overweighted. A merge
+            # is applied as soon as it arrives (benchmarks/results/merge_lag.md: the fewer
+            # steps a learner trains away from it, the closer to synchronous DiLoCo).
             decoupled=c.DecoupledConfig(
                 fragments=4,
                 overlap_steps=10,
                 quorum=1,
                 keep_overlap=True,
+                apply_on_arrival=True,
                 grace_safety=1.0,
                 partial_merge="share",
                 stale_anchor="learner",
