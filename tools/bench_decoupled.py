@@ -61,7 +61,7 @@ def run(name: str, args: dict, workroot: pathlib.Path) -> dict:
     return summary
 
 
-def _baseline(
+def baseline(
     name: str, mode: str, outer: tuple, workroot: pathlib.Path, setting: dict | None = None
 ) -> dict:
     summary = bench_quality.run(name, mode, setting or bench_quality.SHORT, outer, workroot)
@@ -120,8 +120,8 @@ def _seeds(workroot: pathlib.Path, dp: dict, diloco: dict, decoupled: dict[str, 
     runs = []
     for seed in SEEDS:
         setting = {**bench_quality.SHORT, "seed": seed}
-        s_dp = _baseline(f"short_seed{seed}:dp", "dp", (0.7, 0.9, True), workroot, setting)
-        s_diloco = _baseline(
+        s_dp = baseline(f"short_seed{seed}:dp", "dp", (0.7, 0.9, True), workroot, setting)
+        s_diloco = baseline(
             f"short_seed{seed}:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, setting
         )
         s_dec = run(
@@ -160,8 +160,8 @@ def main() -> None:
     workroot = pathlib.Path(args.workroot)
     started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
     # The foundation's baselines, by the same commands as tools.bench_quality (reused there).
-    dp = _baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
-    diloco = _baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
+    dp = baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
+    diloco = baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
     rows, decoupled = [], {}
     fixed = False
     for name, overrides in VARIANTS:
@@ -312,8 +312,8 @@ def main() -> None:
     lines.append("")
     long_runs: list[dict] = []
     if not args.skip_long:
-        long_dp = _baseline("long:dp", "dp", (0.7, 0.9, True), workroot, bench_quality.LONG)
-        long_diloco = _baseline(
+        long_dp = baseline("long:dp", "dp", (0.7, 0.9, True), workroot, bench_quality.LONG)
+        long_diloco = baseline(
             "long:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, bench_quality.LONG
         )
         long_dec = run(

@@ -23,7 +23,7 @@ import pathlib
 import statistics
 
 from tools import bench_quality
-from tools.bench_decoupled import _baseline, run
+from tools.bench_decoupled import baseline, run
 from tools.decoupled_variants import DECOUPLED, GATHER, SETTING, SHARE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -72,8 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
     started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
-    dp = _baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
-    diloco = _baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
+    dp = baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
+    diloco = baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
     dp_loss = dp["final_eval_loss"]
     header = "| run | final eval loss | ratio to dp | merges | lag mean / max (steps) | "
     lines = [
@@ -85,7 +85,9 @@ def main() -> None:
         "batches; decoupled: gather + share (P=4, quorum 1, τ=10, γ=1, grace ≤ 10 s, "
         "keep_overlap, share, learner anchor, RDA, outer SGD lr 1). Lag: inner steps from a "
         "push to the step boundary where the learner applies the merge answering it, over "
-        "every applied merge of every learner.",
+        "every applied merge of every learner. Every run here keeps at most two inner steps "
+        "in flight (`Island.step`); the runs of `decoupled.md` were made before that bound, "
+        "when a merge was applied 10-13 steps after its push whatever τ.",
         "",
         "### M=2, H=50, 300 steps per learner",
         "",
@@ -110,7 +112,7 @@ def main() -> None:
     lines += ["", *summary_lines, ""]
     if not args.skip_long:
         long = bench_quality.LONG
-        long_diloco = _baseline(
+        long_diloco = baseline(
             "long:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, long
         )
         long_dec = run("lag_long_arrival", {"mode": "decoupled", **long, **ON_ARRIVAL}, workroot)
