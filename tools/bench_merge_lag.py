@@ -87,7 +87,8 @@ def main() -> None:
         "push to the step boundary where the learner applies the merge answering it, over "
         "every applied merge of every learner. Every run here keeps at most two inner steps "
         "in flight (`Island.step`); the runs of `decoupled.md` were made before that bound, "
-        "when a merge was applied 10-13 steps after its push whatever τ.",
+        "(two exploratory M=2 runs with τ=10 before it: merges applied 10-13 steps after "
+        "their push, and 1-13, mostly 12-13, with apply_on_arrival).",
         "",
         "### M=2, H=50, 300 steps per learner",
         "",
