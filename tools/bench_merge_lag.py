@@ -9,10 +9,12 @@ learners drift from synchronous DiLoCo. Each learner's summary lists its applied
 (`applied`: fragment, version, pushed_at, applied_at).
 
 Two runs per setting are not enough on this machine (the same decoupled command spreads by
-about ±0.01 in its ratio to dp), so each M=2 setting runs `REPEATS` times; the M=4 run is
-the issue's 2,000-step setting. Every run is a real `python -m experiments.train` process; a
-finished run is reused (delete its directory under runs/bench to rerun it). dp and diloco are
-`tools.bench_quality`'s commands (and reuse its runs).
+about ±0.01 in its ratio to dp), so each M=2 setting runs `REPEATS` times. The M=4 runs are the
+issue's 2,000-step setting (`LONG_REPEATS` runs); the last setting has one of the two learners
+3x slower (the heterogeneity target: dp's loss in less wall time than diloco). Every run is a
+real `python -m experiments.train` process; a finished run is reused (delete its directory
+under runs/bench to rerun it). dp and diloco are `tools.bench_quality`'s commands (and reuse
+its runs).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import pathlib
 import statistics
 
 from tools import bench_quality
-from tools.bench_decoupled import baseline, run
-from tools.decoupled_variants import DECOUPLED, GATHER, SETTING, SHARE
+from tools.bench_decoupled import baseline, run, time_to
+from tools.decoupled_variants import DECOUPLED, GATHER, SETTING, SHARE, SLOW, SLOW_STEPS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REPEATS = 4
+LONG_REPEATS = 2
 # gather + share (tiny_lm_decoupled.py's settings before apply_on_arrival): a merge is applied
 # τ=10 steps after its push, or on arrival if later.
 AFTER_TAU = {**DECOUPLED, **GATHER, **SHARE}
@@ -47,21 +50,87 @@ def lags(summary: dict) -> list[int]:
     ]
 
 
+def _lag_text(summary: dict) -> str:
+    """The run's merge lags as "mean / max" ("-" for dp and diloco)."""
+    lag = lags(summary)
+    return f"{statistics.mean(lag):.1f} / {max(lag)}" if lag else "-"
+
+
 def _row(name: str, s: dict, base_loss: float) -> str:
     """A table row; the ratio is to `base_loss` (dp's at M=2, diloco's at M=4)."""
-    lag = lags(s)
-    lag_text = f"{statistics.mean(lag):.1f} / {max(lag)}" if lag else "-"
     stall = max(x["stall_fraction"] for x in s["learners"]) if "learners" in s else None
     cells = [
         name,
         f"{s['final_eval_loss']:.4f}",
         f"{s['final_eval_loss'] / base_loss:.4f}",
         str(s.get("outer_syncs", "-")),
-        lag_text,
+        _lag_text(s),
         "-" if stall is None else f"{100 * stall:.3f}%",
         f"{s['wall_s']:.0f}",
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def _long(workroot: pathlib.Path, runs: list[dict]) -> list[str]:
+    """M=4 at the foundation's 2,000-step setting against its diloco run (appended to `runs`)."""
+    long = bench_quality.LONG
+    long_diloco = baseline("long:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, long)
+    d_loss = long_diloco["final_eval_loss"]
+    lines = [
+        "### M=4, H=50, 2,000 steps per learner (16.4M tokens per run)",
+        "",
+        "Target: decoupled final eval loss ≤ 1.01 × diloco's (dp: "
+        "`benchmarks/results/quality.md`).",
+        "",
+        "| run | final eval loss | ratio to diloco | merges | lag mean / max (steps) | "
+        "learner stall (max) | wall s |",
+        "|---|---|---|---|---|---|---|",
+        _row("diloco sgd 1.0/0.0", long_diloco, d_loss),
+    ]
+    runs.append(long_diloco)
+    for i in range(LONG_REPEATS):
+        name = "lag_long_arrival" + (f"_{i + 1}" if i else "")
+        s = run(name, {"mode": "decoupled", **long, **ON_ARRIVAL}, workroot)
+        lines.append(_row(f"decoupled on arrival, run {i + 1}", s, d_loss))
+        runs.append(s)
+    return [*lines, ""]
+
+
+def _slow(workroot: pathlib.Path, runs: list[dict], dp_loss: float) -> list[str]:
+    """One learner 3x slower: seconds until the global model reaches dp's loss, and near it."""
+    slow = {**SETTING, **SLOW, "train_steps": SLOW_STEPS}
+    # The names of `tools.bench_decoupled`'s runs of the same commands (a finished one is reused).
+    slow_diloco = run(
+        f"slow3x_{SLOW_STEPS}_diloco_lr1.0-m0.0",
+        {"mode": "diloco", **slow, "outer.lr": 1.0, "outer.momentum": 0.0},
+        workroot,
+    )
+    slow_dec = run(
+        f"slow3x_{SLOW_STEPS}_decoupled_arrival",
+        {"mode": "decoupled", **slow, **ON_ARRIVAL},
+        workroot,
+    )
+    factors = (1.0, 1.05, 1.1, 1.2)
+    lines = [
+        "### M=2, one learner 3x slower, 600 steps per learner",
+        "",
+        "Target: decoupled reaches dp's final eval loss (the M=2 table's dp) in less wall time "
+        "than diloco, which waits for the slow learner at every sync. Seconds of training "
+        "(process start-up excluded) until the global model's eval loss first reaches the "
+        "threshold, evaluated every 50 steps.",
+        "",
+        "| run | final eval loss | lag mean / max (steps) | wall s | "
+        + " | ".join(f"to ≤ {f:.2f}×dp ({f * dp_loss:.3f})" for f in factors)
+        + " |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in (("diloco sgd 1.0/0.0", slow_diloco), ("decoupled on arrival", slow_dec)):
+        times = [time_to(s, f * dp_loss) for f in factors]
+        cells = " | ".join("not reached" if t is None else f"{t:.0f}" for t in times)
+        loss, wall = s["final_eval_loss"], s["wall_s"]
+        lines.append(f"| {name} | {loss:.4f} | {_lag_text(s)} | {wall:.0f} | {cells} |")
+    runs += [slow_diloco, slow_dec]
+    return [*lines, ""]
 
 
 def main() -> None:
@@ -69,6 +138,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--workroot", default=str(ROOT / "runs" / "bench"))
     parser.add_argument("--skip_long", action="store_true", help="skip the M=4 2,000-step runs")
+    parser.add_argument("--skip_slow", action="store_true", help="skip the 3x-slower-learner runs")
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
     started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
@@ -80,7 +150,8 @@ def main() -> None:
         "## Merge lag: when a learner applies a merged fragment (issue 3)",
         "",
         "Command: `python -m tools.bench_merge_lag"
-        f"{' --skip_long' if args.skip_long else ''} --out={args.out or 'PATH'}` (written "
+        f"{' --skip_long' if args.skip_long else ''}"
+        f"{' --skip_slow' if args.skip_slow else ''} --out={args.out or 'PATH'}` (written "
         f"{started}; finished runs are reused). tiny_lm, default corpus, 32 fixed validation "
         "batches; decoupled: gather + share (P=4, quorum 1, τ=10, γ=1, grace ≤ 10 s, "
         "keep_overlap, share, learner anchor, RDA, outer SGD lr 1). Lag: inner steps from a "
@@ -112,26 +183,9 @@ def main() -> None:
         )
     lines += ["", *summary_lines, ""]
     if not args.skip_long:
-        long = bench_quality.LONG
-        long_diloco = baseline(
-            "long:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, long
-        )
-        long_dec = run("lag_long_arrival", {"mode": "decoupled", **long, **ON_ARRIVAL}, workroot)
-        d_loss = long_diloco["final_eval_loss"]
-        lines += [
-            "### M=4, H=50, 2,000 steps per learner (16.4M tokens per run)",
-            "",
-            "Target: decoupled final eval loss ≤ 1.01 × diloco's (dp: "
-            "`benchmarks/results/quality.md`).",
-            "",
-            "| run | final eval loss | ratio to diloco | merges | lag mean / max (steps) | "
-            "learner stall (max) | wall s |",
-            "|---|---|---|---|---|---|---|",
-            _row("diloco sgd 1.0/0.0", long_diloco, d_loss),
-            _row("decoupled on arrival", long_dec, d_loss),
-            "",
-        ]
-        runs += [long_diloco, long_dec]
+        lines += _long(workroot, runs)
+    if not args.skip_slow:
+        lines += _slow(workroot, runs, dp_loss)
     lines += ["Commands of each run:", ""]
     lines += [f"- `{s['command']}`" for s in runs]
     text = "\n".join(lines) + "\n"
