@@ -206,17 +206,29 @@ class SyncerClient:
             first = pb.FragmentChunk.FromString(raw)
             if first.version < 0:
                 return -1, []
-            pieces = [first.data]
+            expected = sum(t.payload_bytes for t in first.tensors)
+            if first.total_bytes != expected or expected > self.config.max_push_bytes:
+                raise wire.PayloadError(
+                    f"fragment {fragment}: reply of {first.total_bytes} bytes, its tensors "
+                    f"need {expected} (limit {self.config.max_push_bytes})"
+                )
+            # Each chunk is copied into place as it arrives (gRPC receives the next meanwhile).
+            payload, at = memoryview(bytearray(expected)), len(first.data)
+            payload[:at] = first.data
             for raw in stream:
                 self._count(received=len(raw))
                 view = wire.parse_data_chunk(wire.PULL_DATA_TAG, raw)
-                pieces.append(view if view is not None else pb.FragmentChunk.FromString(raw).data)
+                data = view if view is not None else pb.FragmentChunk.FromString(raw).data
+                if at + len(data) > expected:
+                    raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
+                payload[at : at + len(data)] = data
+                at += len(data)
             specs = [
                 TensorSpec(i, t.name, tuple(t.shape), t.dtype) for i, t in enumerate(first.tensors)
             ]
             wire.check_headers(first.tensors, specs)
             # The syncer validated every push and merges finite values: no second scan here.
-            values = wire.decode_payload(b"".join(pieces), first.tensors, specs, False)
+            values = wire.decode_payload(payload[:at], first.tensors, specs, False)
             if first.delta:
                 if have is None or first.base_version != have[0]:
                     raise wire.PayloadError(
