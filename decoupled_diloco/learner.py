@@ -3,23 +3,20 @@ r"""A learner process: inner steps on its own mesh, fragments synced in the back
   DD_RUN_TOKEN=secret python -m decoupled_diloco.learner --syncer=127.0.0.1:50051 \
       --learner_id=0 --config=experiments/configs/tiny_lm.py --config.mode=decoupled
 
-The step loop never waits for the syncer. When fragment p is due (staggered schedule, see
-`fragments`), the loop copies its tensors to the host and hands them to a background worker,
-which computes the outer gradient Δ = anchor_p − θ_p, pushes it, and then waits for the merged
-fragment. A merged fragment that has arrived is applied at the next step boundary at least τ
-(`overlap_steps`) steps after its push (or on arrival, `apply_on_arrival`): overwritten
-(`alpha` = 0) or mixed as α·local + (1 − α)·global. It becomes the new anchor. What arrives is
-host numpy; the learner puts it onto its own mesh, so learners with different mesh shapes share
-one syncer.
+(flags: `learner_cli`). The step loop never waits for the syncer. When fragment p is due
+(staggered schedule, see `fragments`), the loop copies its tensors to the host and hands them to
+a background worker (`learner_link`), which computes the outer gradient Δ = anchor_p − θ_p,
+pushes it, and then waits for the merged fragment. A merged fragment that has arrived is applied
+at the next step boundary at least τ (`overlap_steps`) steps after its push (or on arrival,
+`apply_on_arrival`): overwritten (`alpha` = 0) or mixed as α·local + (1 − α)·global. It becomes
+the new anchor. What arrives is host numpy; the learner puts it onto its own mesh, so learners
+with different mesh shapes share one syncer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import pathlib
-import sys
 import threading
 import time
 from concurrent import futures
@@ -36,29 +33,13 @@ from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
 from decoupled_diloco.island import InnerState, Island
+from decoupled_diloco.learner_link import Encoded, Inbound, SyncerLink
 from decoupled_diloco.timeline import Timeline
 
 _STEP_WINDOW = 10  # steps per measurement of this learner's step time
 
 
-@dataclasses.dataclass
-class _Encoded:
-    """A fragment's encoded outer gradient: section arrays in wire order."""
-
-    arrays: list[np.ndarray]
-
-
-@dataclasses.dataclass
-class Inbound:
-    """A merged fragment waiting for its step boundary."""
-
-    version: int
-    values: list[np.ndarray]
-    apply_after_step: int
-    pushed_at: int = -1  # the step of the push this merge answers (-1: unknown)
-
-
-class Learner:
+class Learner(SyncerLink):
     """One learner: an island, its data shard, per-fragment counters and a background syncer link.
 
     Args:
@@ -177,116 +158,7 @@ class Learner:
         if self.timeline is not None:
             self.timeline.enter(state, step)
 
-    # Syncer link -----------------------------------------------------------------------------
-
-    def connect(self, timeout_s: float = 120.0, peers_s: float = 60.0) -> None:
-        """Waits for the syncer, registers, and takes the current global fragments.
-
-        In a fresh run (every fragment still at version 0) it also waits up to `peers_s` for
-        all learners to register, so that they start together and their pushes of a round
-        arrive close enough for the grace window to merge them. A learner joining a run in
-        progress never waits.
-        """
-        self.client.wait_ready(timeout_s)
-        reply = self.client.register(self.id, F.fingerprint(self.specs), self.mesh_name)
-        self._mark("waiting")  # for peers (fresh run), then the global fragments
-        deadline = time.monotonic() + peers_s
-        while not any(reply.versions) and time.monotonic() < deadline:
-            if len(self.client.status()["learners"]) >= self.config.num_learners:
-                break
-            time.sleep(0.05)
-        for p in range(len(self.cut)):
-            version, values = self.client.pull(
-                self.id, p, 0, self.config.decoupled.syncer.rpc_timeout_s
-            )
-            self.anchor[p], self.versions[p] = values, version
-
-    def _sync(
-        self,
-        p: int,
-        rnd: int,
-        base: int,
-        anchor: list,
-        local: list,
-        steps: int,
-        tokens: int,
-        final: bool,
-        pushed_at: int,
-        ticket: recovery.Unsent | None = None,
-    ) -> None:
-        """Background: push Δ = anchor − θ for fragment p, then wait for the merged fragment.
-
-        The merged fragment is due at the step boundary after step `pushed_at` + τ, or at the
-        first boundary after it arrives if it comes later. While the syncer is unreachable,
-        the push and the pull are retried with backoff (`ticket`: see `recovery.Outbox`).
-        """
-        try:
-            if isinstance(local, _Encoded):  # compressed on the mesh by `_launch`
-                arrays, tensors = local.arrays, wire.headers(self.cut[p], self.codec)
-            else:
-                arrays, tensors = [a - x for a, x in zip(anchor, local, strict=True)], None
-            send = functools.partial(
-                self.client.push,
-                learner_id=self.id,
-                fragment=p,
-                round=rnd,
-                base_version=base,
-                steps=steps,
-                tokens=tokens,
-                specs=self.cut[p],
-                arrays=arrays,
-                tensors=tensors,
-            )
-            reply = self.outbox.deliver(ticket, send, self.stop) if ticket else send()
-            if reply is None:  # folded into a newer push, dropped, or the learner is stopping
-                return
-            sent, received = self.client.last_bytes(), 0
-            self.pushes[
-                "duplicate" if reply.duplicate else "accepted" if reply.accepted else "late"
-            ] += 1
-            if final:
-                return
-            # Short waits, so that a learner shutting down is never held by a pending pull.
-            wait_s = min(self.config.decoupled.syncer.rpc_timeout_s, 5.0)
-            # An accepted push waits in the fragment's open round, which the next merge closes:
-            # wait for that merge (it holds this push), not for any version newer than `base`
-            # (a merge of other learners' pushes that closed while this one was on its way).
-            want = max(base, reply.version) + 1 if reply.accepted else base + 1
-            version = -1
-            # A newer push of p takes over the wait (one waiting pull per fragment): that merge
-            # may be long in coming (this push folded into a newer one, or lost with a
-            # restarted syncer's unsaved state), and the newer pull brings what is there.
-            while version < 0 and not self.stop.is_set() and self.rounds[p] == rnd + 1:
-                # `have`: with a compressed downlink the syncer sends the difference from it.
-                pull = functools.partial(
-                    self.client.pull, self.id, p, want, wait_s, have=(base, anchor)
-                )
-                pulled = recovery.retrying(pull, self.stop)  # the syncer may be restarting
-                if pulled is None:
-                    break
-                version, values = pulled
-                received += self.client.last_bytes()
-            self.round_log.append(
-                {"fragment": p, "round": rnd, "step": pushed_at, "sent": sent, "received": received}
-            )
-            if version >= 0:
-                with self.inbox_lock:
-                    held = self.inbox.get(p)
-                    # The same version may answer two pushes (the newer one superseded the
-                    # older in the syncer's open round): it answers the newer one.
-                    if held is None or (held.version, held.pushed_at) < (version, pushed_at):
-                        d = self.config.decoupled
-                        after = pushed_at + (0 if d.apply_on_arrival else d.overlap_steps)
-                        self.inbox[p] = Inbound(version, values, after, pushed_at)
-        except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
-            if self.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
-                return
-            self.errors.append(f"fragment {p} round {rnd}: {type(error).__name__}: {error}")
-            print(f"[learner {self.id}] sync error: {self.errors[-1]}", file=sys.stderr, flush=True)
-
-    def _heartbeats(self) -> None:
-        while not self.stop.wait(self.config.decoupled.syncer.heartbeat_s):
-            self._heartbeat("training")
+    # Schedule --------------------------------------------------------------------------------
 
     def due(self, step: int) -> list[int]:
         """The fragments due after `step`; schedules each one's next push."""
@@ -307,26 +179,6 @@ class Learner:
         if self.fastest_step_s <= 0 or self.step_time_s <= 0:
             return H
         return max(1, int(H * min(self.fastest_step_s / self.step_time_s, 1.0)))
-
-    def _heartbeat(self, state: str) -> None:
-        try:
-            reply = self.client.heartbeat(
-                learner_id=self.id,
-                step=self.step,
-                tokens=self.tokens,
-                loss=float(self.loss),
-                state=state,
-                versions=self.versions,
-                blocked_s=self.blocked_s,
-                step_time_s=self.step_time_s,
-                eval_loss=self.eval_loss,
-                bytes_sent=self.client.bytes_sent,
-                bytes_received=self.client.bytes_received,
-                sync_rounds=len(self.round_log),
-            )
-            self.fastest_step_s = reply.fastest_step_time_s
-        except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
-            print(f"[learner {self.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)
 
     # Step loop -------------------------------------------------------------------------------
 
@@ -440,7 +292,7 @@ class Learner:
         self.jobs = [j for j in self.jobs if not j.done()] + [job]
         self.steps_since[p] = self.tokens_since[p] = 0
 
-    def _compress(self, p: int, leaves: list[jax.Array]) -> _Encoded:
+    def _compress(self, p: int, leaves: list[jax.Array]) -> Encoded:
         """Encodes fragment p's outer gradient on the mesh (error feedback: updates the residual).
 
         Waits for the (small) result, so that the next step may donate the parameters and
@@ -459,7 +311,7 @@ class Learner:
             for spec, value in zip(self.cut[p], new_residual, strict=True):
                 residual_leaves[spec.index] = jax.device_put(value, self.shardings[spec.index])
             self.ef_residual = jax.tree.unflatten(self.treedef, residual_leaves)
-        return _Encoded(wire.encoded_arrays(sections, self.cut[p], self.codec))
+        return Encoded(wire.encoded_arrays(sections, self.cut[p], self.codec))
 
     def checkpoint_items(self) -> dict[str, Any]:
         """This learner's state pytrees for its Orbax checkpoint, by name.
@@ -604,118 +456,7 @@ class Learner:
         }
 
 
-def mesh_shape_for(config: ExperimentConfig, learner_id: int, override: str) -> tuple[int, int]:
-    """This learner's mesh: the `--mesh_shape` flag, else the config."""
-    if override:
-        parts = override.lower().split("x")
-        if len(parts) != 2 or not all(x.isdigit() and int(x) >= 1 for x in parts):
-            raise ValueError(f"--mesh_shape: {override!r} is not DATAxMODEL (e.g. 2x1)")
-        return int(parts[0]), int(parts[1])
-    return parse_mesh_shapes(config)[learner_id]
-
-
-def main(argv: list[str], warm: Any = None) -> None:
-    """Parses flags, runs the learner, writes its summary (`warm`: a `standby.Warm`)."""
-    from absl import flags
-
-    from decoupled_diloco import config as config_lib
-
-    values = flags.FLAGS
-    config = config_lib.from_config_dict(values.config)
-    shape = mesh_shape_for(config, values.learner_id, values.mesh_shape)
-    slowdown = values.slowdown or (
-        config.slowdown if config.slow_learner == values.learner_id else 1.0
-    )
-    if values.num_processes > 1:  # One island over several processes (hosts): see multihost.
-        from decoupled_diloco import multihost
-
-        group = multihost.ProcessGroup(values.coordinator, values.num_processes, values.process_id)
-        multihost.initialize(group)
-        learner = multihost.MultihostLearner(
-            config,
-            values.learner_id,
-            values.syncer,
-            group,
-            mesh_shape=shape,
-            slowdown=slowdown,
-            workdir=values.workdir or None,
-        )
-    else:
-        learner = Learner(
-            config,
-            values.learner_id,
-            values.syncer,
-            mesh_shape=shape,
-            slowdown=slowdown,
-            workdir=values.workdir or None,
-            island=warm.island if warm else None,
-        )
-        learner.startup.update(warm.startup if warm else {})
-    learner.connect()
-    learner.startup["connected"] = time.time()
-    print(f"[learner {learner.id}] joined at versions {learner.versions}", flush=True)
-    summary = learner.run()
-    if values.summary:  # whole or not at all: a restart may be killed mid-write
-        path = pathlib.Path(values.summary)
-        path.with_suffix(".tmp").write_text(json.dumps(summary, indent=2) + "\n")
-        path.with_suffix(".tmp").replace(path)
-    stall = 100 * summary["stall_fraction"]
-    print(f"[learner {learner.id}] done: {summary['steps']} steps, stall {stall:.2f}%", flush=True)
-
-
 if __name__ == "__main__":
-    import os
+    from decoupled_diloco import learner_cli
 
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    from decoupled_diloco.procs import die_with_parent
-
-    config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
-    flags.DEFINE_string(
-        "syncer", "127.0.0.1:50051", "HOST:PORT of the syncer (of each shard: comma-separated)."
-    )
-    flags.DEFINE_integer("learner_id", 0, "This learner's index.")
-    flags.DEFINE_string("mesh_shape", "", "DATAxMODEL, overriding the config (e.g. 2x1).")
-    flags.DEFINE_float("slowdown", 0.0, "Step slow-down factor (default: from the config).")
-    flags.DEFINE_string("summary", "", "Write this learner's summary JSON here.")
-    flags.DEFINE_string(
-        "workdir", "", "Run directory: checkpoints and data journal (with checkpoint.every)."
-    )
-    flags.DEFINE_string("coordinator", "", "Multi-process island: HOST:PORT of its process 0.")
-    flags.DEFINE_integer("num_processes", 1, "Processes (hosts) forming this learner's island.")
-    flags.DEFINE_integer("process_id", 0, "This process's index in its island (0: leader).")
-    flags.DEFINE_string("standby", "", "Warm standby: warm up, then wait in DIR (see standby).")
-    die_with_parent()
-
-    def _start(argv: list[str]) -> None:
-        # On CPU, fake as many devices as the mesh needs (and raise XLA:CPU's collective
-        # timeouts), before JAX picks a backend.
-        from absl import logging
-
-        from decoupled_diloco import config as config_lib
-        from decoupled_diloco.cpu_devices import configure_cpu_devices
-
-        if not flags.FLAGS["verbosity"].present:  # Orbax logs every checkpoint at INFO
-            logging.set_verbosity(logging.WARNING)
-        config = config_lib.from_config_dict(flags.FLAGS.config)
-        shape = mesh_shape_for(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
-        from decoupled_diloco.multihost import local_device_count
-
-        configure_cpu_devices(local_device_count(shape[0] * shape[1], flags.FLAGS.num_processes))
-        # A restarted learner loads its compiled step from the persistent cache.
-        recovery.use_compile_cache(
-            pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
-        )
-        try:
-            if flags.FLAGS.standby:  # a warm spare: set up now, told which learner later
-                from decoupled_diloco import standby
-
-                standby.serve(flags.FLAGS.standby, config, shape, main)
-            else:
-                main(argv)
-        except KeyboardInterrupt:
-            # Ctrl+C: leave now; background syncs hold no state worth waiting for.
-            os._exit(130)
-
-    sys.exit(app.run(_start))
+    learner_cli.start()

@@ -53,7 +53,7 @@ _POLL_S = 0.01
 
 @dataclasses.dataclass
 class Warm:
-    """What a warm standby hands to `learner.main`: its island and its start-up times."""
+    """What a warm standby hands to `learner_cli.main`: its island and its start-up times."""
 
     island: Any  # island.Island, its step compiled
     startup: dict[str, float]
@@ -96,7 +96,7 @@ def _check_activation(
       ValueError: the activation names another config, several processes, or a learner whose
         mesh is not this spare's.
     """
-    from decoupled_diloco.learner import mesh_shape_for
+    from decoupled_diloco.learner_cli import mesh_shape_for
 
     argv = [str(a) for a in activation.get("argv", [])]
     theirs = sorted(a for a in argv if a.startswith("--config"))
@@ -136,7 +136,7 @@ def serve(
       directory: where `ready` is written and `activate.json` is awaited.
       config: the experiment config (`--config`).
       shape: the island's mesh shape (`--mesh_shape`).
-      main: `learner.main`, called as `main(argv, warm=Warm(...))` once the activation's
+      main: `learner_cli.main`, called as `main(argv, warm=Warm(...))` once the activation's
         flags are parsed into `absl.flags.FLAGS`.
     """
     from absl import flags

@@ -1,0 +1,133 @@
+r"""`python -m decoupled_diloco.learner`: flags, the mesh, and one learner run to its summary.
+
+  DD_RUN_TOKEN=secret python -m decoupled_diloco.learner --syncer=127.0.0.1:50051 \
+      --learner_id=0 --config=experiments/configs/tiny_lm.py --config.mode=decoupled
+
+`start` defines the flags and runs `main` (or waits as a warm standby, see `standby`);
+`learner.py`'s `__main__` calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import learner_recovery as recovery
+from decoupled_diloco.learner import Learner
+from decoupled_diloco.procs import die_with_parent
+
+
+def mesh_shape_for(
+    config: config_lib.ExperimentConfig, learner_id: int, override: str
+) -> tuple[int, int]:
+    """This learner's mesh: the `--mesh_shape` flag, else the config."""
+    if override:
+        parts = override.lower().split("x")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) >= 1 for x in parts):
+            raise ValueError(f"--mesh_shape: {override!r} is not DATAxMODEL (e.g. 2x1)")
+        return int(parts[0]), int(parts[1])
+    return config_lib.parse_mesh_shapes(config)[learner_id]
+
+
+def main(argv: list[str], warm: Any = None) -> None:
+    """Parses flags, runs the learner, writes its summary (`warm`: a `standby.Warm`)."""
+    values = flags.FLAGS
+    config = config_lib.from_config_dict(values.config)
+    shape = mesh_shape_for(config, values.learner_id, values.mesh_shape)
+    slowdown = values.slowdown or (
+        config.slowdown if config.slow_learner == values.learner_id else 1.0
+    )
+    if values.num_processes > 1:  # One island over several processes (hosts): see multihost.
+        from decoupled_diloco import multihost
+
+        group = multihost.ProcessGroup(values.coordinator, values.num_processes, values.process_id)
+        multihost.initialize(group)
+        learner = multihost.MultihostLearner(
+            config,
+            values.learner_id,
+            values.syncer,
+            group,
+            mesh_shape=shape,
+            slowdown=slowdown,
+            workdir=values.workdir or None,
+        )
+    else:
+        learner = Learner(
+            config,
+            values.learner_id,
+            values.syncer,
+            mesh_shape=shape,
+            slowdown=slowdown,
+            workdir=values.workdir or None,
+            island=warm.island if warm else None,
+        )
+        learner.startup.update(warm.startup if warm else {})
+    learner.connect()
+    learner.startup["connected"] = time.time()
+    print(f"[learner {learner.id}] joined at versions {learner.versions}", flush=True)
+    summary = learner.run()
+    if values.summary:  # whole or not at all: a restart may be killed mid-write
+        path = pathlib.Path(values.summary)
+        path.with_suffix(".tmp").write_text(json.dumps(summary, indent=2) + "\n")
+        path.with_suffix(".tmp").replace(path)
+    stall = 100 * summary["stall_fraction"]
+    print(f"[learner {learner.id}] done: {summary['steps']} steps, stall {stall:.2f}%", flush=True)
+
+
+def start() -> None:
+    """Defines the learner's flags and runs it (`python -m decoupled_diloco.learner`)."""
+    config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
+    flags.DEFINE_string(
+        "syncer", "127.0.0.1:50051", "HOST:PORT of the syncer (of each shard: comma-separated)."
+    )
+    flags.DEFINE_integer("learner_id", 0, "This learner's index.")
+    flags.DEFINE_string("mesh_shape", "", "DATAxMODEL, overriding the config (e.g. 2x1).")
+    flags.DEFINE_float("slowdown", 0.0, "Step slow-down factor (default: from the config).")
+    flags.DEFINE_string("summary", "", "Write this learner's summary JSON here.")
+    flags.DEFINE_string(
+        "workdir", "", "Run directory: checkpoints and data journal (with checkpoint.every)."
+    )
+    flags.DEFINE_string("coordinator", "", "Multi-process island: HOST:PORT of its process 0.")
+    flags.DEFINE_integer("num_processes", 1, "Processes (hosts) forming this learner's island.")
+    flags.DEFINE_integer("process_id", 0, "This process's index in its island (0: leader).")
+    flags.DEFINE_string("standby", "", "Warm standby: warm up, then wait in DIR (see standby).")
+    die_with_parent()
+
+    def _start(argv: list[str]) -> None:
+        # On CPU, fake as many devices as the mesh needs (and raise XLA:CPU's collective
+        # timeouts), before JAX picks a backend.
+        from absl import logging
+
+        from decoupled_diloco.cpu_devices import configure_cpu_devices
+
+        if not flags.FLAGS["verbosity"].present:  # Orbax logs every checkpoint at INFO
+            logging.set_verbosity(logging.WARNING)
+        config = config_lib.from_config_dict(flags.FLAGS.config)
+        shape = mesh_shape_for(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
+        from decoupled_diloco.multihost import local_device_count
+
+        configure_cpu_devices(local_device_count(shape[0] * shape[1], flags.FLAGS.num_processes))
+        # A restarted learner loads its compiled step from the persistent cache.
+        recovery.use_compile_cache(
+            pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
+        )
+        try:
+            if flags.FLAGS.standby:  # a warm spare: set up now, told which learner later
+                from decoupled_diloco import standby
+
+                standby.serve(flags.FLAGS.standby, config, shape, main)
+            else:
+                main(argv)
+        except KeyboardInterrupt:
+            # Ctrl+C: leave now; background syncs hold no state worth waiting for.
+            os._exit(130)
+
+    sys.exit(app.run(_start))
