@@ -388,3 +388,36 @@ def test_compressed_decoupled_run_trains_and_accounts_its_bytes(tmp_path):
         assert _children_of(tmp_path) == []
     finally:
         _cleanup(proc, tmp_path)
+
+
+@pytest.mark.parametrize("lie", ["total_bytes", "extra_chunk"])
+def test_a_pull_reply_larger_than_its_headers_is_refused(lie):
+    """A (hostile or broken) syncer's pull reply is read into a buffer sized from its headers."""
+    from concurrent import futures
+
+    from decoupled_diloco.comm import syncer_pb2_grpc
+
+    specs = [F.TensorSpec(0, "w", (4, 4), "float32")]
+    data = np.ones((4, 4), np.float32).tobytes()
+
+    class Lying(syncer_pb2_grpc.SyncerServicer):
+        def Pull(self, request, context):  # noqa: N802 - the generated servicer's name
+            total = len(data) * (2 if lie == "total_bytes" else 1)
+            yield pb.FragmentChunk(
+                fragment=0, version=1, tensors=wire.headers(specs), total_bytes=total, data=data
+            )
+            if lie == "extra_chunk":
+                yield pb.FragmentChunk(data=data)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    syncer_pb2_grpc.add_SyncerServicer_to_server(Lying(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = SyncerClient(f"127.0.0.1:{port}", tiny_config().decoupled.syncer, TOKEN)
+    try:
+        message = "reply of 128 bytes" if lie == "total_bytes" else "more than 64 bytes"
+        with pytest.raises(wire.PayloadError, match=message):
+            client.pull(0, 0, 1, 1.0)
+    finally:
+        client.close()
+        server.stop(0)

@@ -214,6 +214,8 @@ class SyncerClient:
                 )
             # Each chunk is copied into place as it arrives (gRPC receives the next meanwhile).
             payload, at = memoryview(bytearray(expected)), len(first.data)
+            if at > expected:
+                raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
             payload[:at] = first.data
             for raw in stream:
                 self._count(received=len(raw))
