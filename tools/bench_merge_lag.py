@@ -99,7 +99,7 @@ def _long(workroot: pathlib.Path, runs: list[dict]) -> list[str]:
 def _slow(workroot: pathlib.Path, runs: list[dict], dp_loss: float) -> list[str]:
     """One learner 3x slower: seconds until the global model reaches dp's loss, and near it."""
     slow = {**SETTING, **SLOW, "train_steps": SLOW_STEPS}
-    # The names of `tools.bench_decoupled`'s runs of the same commands (a finished one is reused).
+    # diloco: `tools.bench_decoupled`'s run of the same command (a finished one is reused).
     slow_diloco = run(
         f"slow3x_{SLOW_STEPS}_diloco_lr1.0-m0.0",
         {"mode": "diloco", **slow, "outer.lr": 1.0, "outer.momentum": 0.0},

@@ -206,11 +206,16 @@ class SyncerClient:
             first = pb.FragmentChunk.FromString(raw)
             if first.version < 0:
                 return -1, []
-            expected = sum(t.payload_bytes for t in first.tensors)
-            if first.total_bytes != expected or expected > self.config.max_push_bytes:
+            specs = [
+                TensorSpec(i, t.name, tuple(t.shape), t.dtype) for i, t in enumerate(first.tensors)
+            ]
+            # Each header's size is checked against its shape and codec, so the buffer below
+            # is the fragment's own size.
+            expected = wire.check_headers(first.tensors, specs)
+            if first.total_bytes != expected:
                 raise wire.PayloadError(
                     f"fragment {fragment}: reply of {first.total_bytes} bytes, its tensors "
-                    f"need {expected} (limit {self.config.max_push_bytes})"
+                    f"need {expected}"
                 )
             # Each chunk is copied into place as it arrives (gRPC receives the next meanwhile).
             payload, at = memoryview(bytearray(expected)), len(first.data)
@@ -225,10 +230,6 @@ class SyncerClient:
                     raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
                 payload[at : at + len(data)] = data
                 at += len(data)
-            specs = [
-                TensorSpec(i, t.name, tuple(t.shape), t.dtype) for i, t in enumerate(first.tensors)
-            ]
-            wire.check_headers(first.tensors, specs)
             # The syncer validated every push and merges finite values: no second scan here.
             values = wire.decode_payload(payload[:at], first.tensors, specs, False)
             if first.delta:
