@@ -138,6 +138,27 @@ def _seeds(workroot: pathlib.Path, dp: dict, diloco: dict, decoupled: dict[str, 
     return {"lines": [*lines, ""], "runs": runs}
 
 
+TIME_FACTORS = (1.0, 1.05, 1.1, 1.2)  # thresholds of the time-to-loss columns, × dp's loss
+
+
+def short_baselines(workroot: pathlib.Path) -> tuple[dict, dict]:
+    """The foundation's M=2 dp and diloco runs (`tools.bench_quality`'s commands, reused there)."""
+    dp = baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
+    diloco = baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
+    return dp, diloco
+
+
+def time_header(dp_loss: float) -> str:
+    """The time-to-loss column titles (see `time_cells`)."""
+    return " | ".join(f"to ≤ {f:.2f}×dp ({f * dp_loss:.3f})" for f in TIME_FACTORS)
+
+
+def time_cells(summary: dict, dp_loss: float) -> str:
+    """Table cells: seconds until the eval loss first reaches each `TIME_FACTORS` × dp_loss."""
+    times = [time_to(summary, f * dp_loss) for f in TIME_FACTORS]
+    return " | ".join("not reached" if t is None else f"{t:.0f}" for t in times)
+
+
 def time_to(summary: dict, target: float) -> float | None:
     """Training seconds until the first eval loss ≤ target (from the first training step)."""
     lines = summary["metrics"]
@@ -159,9 +180,7 @@ def main() -> None:
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
     started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
-    # The foundation's baselines, by the same commands as tools.bench_quality (reused there).
-    dp = baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
-    diloco = baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
+    dp, diloco = short_baselines(workroot)
     rows, decoupled = [], {}
     fixed = False
     for name, overrides in VARIANTS:
@@ -251,9 +270,7 @@ def main() -> None:
             "marked † ran before the fixes (see the first table's †); the last one after them, "
             "with gather + share (the defaults of `tiny_lm_decoupled.py`).",
             "",
-            "| run | final eval loss | tokens | wall s | "
-            + " | ".join(f"to ≤ {f:.2f}×dp ({f * target:.3f})" for f in (1.0, 1.05, 1.1, 1.2))
-            + " |",
+            "| run | final eval loss | tokens | wall s | " + time_header(target) + " |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for name, s in (
@@ -261,8 +278,7 @@ def main() -> None:
             (f"decoupled {best} †", slow_dec),
             ("decoupled gather + share", slow_gather),
         ):
-            times = [time_to(s, f * target) for f in (1.0, 1.05, 1.1, 1.2)]
-            cells = " | ".join("not reached" if t is None else f"{t:.0f}" for t in times)
+            cells = time_cells(s, target)
             lines.append(
                 f"| {name} | {s['final_eval_loss']:.4f} | {s['tokens']:,} | {s['wall_s']:.0f} "
                 f"| {cells} |"

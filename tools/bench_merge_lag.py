@@ -25,7 +25,7 @@ import pathlib
 import statistics
 
 from tools import bench_quality
-from tools.bench_decoupled import baseline, run, time_to
+from tools.bench_decoupled import baseline, run, short_baselines, time_cells, time_header
 from tools.decoupled_variants import DECOUPLED, GATHER, SETTING, SHARE, SLOW, SLOW_STEPS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -110,7 +110,6 @@ def _slow(workroot: pathlib.Path, runs: list[dict], dp_loss: float) -> list[str]
         {"mode": "decoupled", **slow, **ON_ARRIVAL},
         workroot,
     )
-    factors = (1.0, 1.05, 1.1, 1.2)
     lines = [
         "### M=2, one learner 3x slower, 600 steps per learner",
         "",
@@ -120,13 +119,12 @@ def _slow(workroot: pathlib.Path, runs: list[dict], dp_loss: float) -> list[str]
         "threshold, evaluated every 50 steps.",
         "",
         "| run | final eval loss | lag mean / max (steps) | wall s | "
-        + " | ".join(f"to ≤ {f:.2f}×dp ({f * dp_loss:.3f})" for f in factors)
+        + time_header(dp_loss)
         + " |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in (("diloco sgd 1.0/0.0", slow_diloco), ("decoupled on arrival", slow_dec)):
-        times = [time_to(s, f * dp_loss) for f in factors]
-        cells = " | ".join("not reached" if t is None else f"{t:.0f}" for t in times)
+        cells = time_cells(s, dp_loss)
         loss, wall = s["final_eval_loss"], s["wall_s"]
         lines.append(f"| {name} | {loss:.4f} | {_lag_text(s)} | {wall:.0f} | {cells} |")
     runs += [slow_diloco, slow_dec]
@@ -142,8 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
     started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
-    dp = baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
-    diloco = baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
+    dp, diloco = short_baselines(workroot)
     dp_loss = dp["final_eval_loss"]
     header = "| run | final eval loss | ratio to dp | merges | lag mean / max (steps) | "
     lines = [
@@ -157,7 +154,7 @@ def main() -> None:
         "keep_overlap, share, learner anchor, RDA, outer SGD lr 1). Lag: inner steps from a "
         "push to the step boundary where the learner applies the merge answering it, over "
         "every applied merge of every learner. Every run here keeps at most two inner steps "
-        "in flight (`Island.step`); the runs of `decoupled.md` were made before that bound, "
+        "in flight (`Island.step`); the runs of `decoupled.md` were made before that bound "
         "(two exploratory M=2 runs with τ=10 before it: merges applied 10-13 steps after "
         "their push, and 1-13, mostly 12-13, with apply_on_arrival).",
         "",
