@@ -277,7 +277,7 @@ class MoEConfig:
 
     Expert weights are stacked (one tensor per layer and weight, leading axis = expert) and
     sharded over the island mesh's `model` axis, so an island with model axis m holds
-    `num_experts / m` experts per device (see `decoupled_diloco.moe`).
+    `num_experts / m` experts per device (see `decoupled_diloco.models.moe`).
 
     Attributes:
       num_experts: experts per MoE layer (a multiple of the mesh's model axis).
@@ -366,7 +366,7 @@ class ExperimentConfig:
       log_every: steps between progress lines and metrics events.
       slow_learner: index of a learner made slower (-1: none).
       slowdown: the slow learner's steps take this many times longer (>= 1).
-      chaos: a fault schedule (YAML, see `decoupled_diloco.chaos`) injected into the run, in
+      chaos: a fault schedule (YAML, see `decoupled_diloco.chaos.faults`) injected into the run, in
         every mode; empty: no faults.
       model: model sizes.
       data: corpus and batch size.

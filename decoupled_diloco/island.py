@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.model import Params
+from decoupled_diloco.models.transformer import Params
 from decoupled_diloco.optim import make_inner_optimizer
 from decoupled_diloco.tasks import Batch, make_task
 

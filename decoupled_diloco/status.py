@@ -3,7 +3,7 @@ r"""Shows a running syncer's state: `python -m decoupled_diloco.status --syncer=
 The run token comes from `DD_RUN_TOKEN` (or `--token_file`), never from the command line.
 Prints learners (state, step, loss, heartbeat age, staleness, fragment versions), fragments
 (version, merges, late and duplicate pushes) and the grace-window averages; `--json` prints
-the raw status instead. `--watch` refreshes a live table (see `decoupled_diloco.watch`) until
+the raw status instead. `--watch` refreshes a live table (see `decoupled_diloco.obs.watch`) until
 Ctrl+C, adding merges per minute and goodput when the syncer reports it.
 """
 
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
     shards = len(parse_addresses(address))  # HOST:PORT,HOST:PORT...: a sharded syncer
     config = SyncerConfig(tls_cert=_TLS_CERT.value, retries=1, rpc_timeout_s=10.0, shards=shards)
     if _WATCH.value:
-        from decoupled_diloco.watch import watch
+        from decoupled_diloco.obs.watch import watch
 
         try:
             client = syncer_client(address, config, token)

@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from decoupled_diloco import data as data_lib
 from decoupled_diloco.config import DATASETS, ExperimentConfig
-from decoupled_diloco.model import Params, Transformer, lm_loss
+from decoupled_diloco.data import text as data_lib
+from decoupled_diloco.models.transformer import Params, Transformer, lm_loss
 
 Batch = Any  # an int32 (B, T+1) token array, or a dict of arrays with a leading batch axis
 
@@ -72,7 +72,7 @@ def make_task(config: ExperimentConfig) -> Task:
             batch_spec=P("data", None),
         )
     if kind == "moe":
-        from decoupled_diloco import moe
+        from decoupled_diloco.models import moe
 
         return Task(
             name="language_modeling",
@@ -82,7 +82,8 @@ def make_task(config: ExperimentConfig) -> Task:
             batch_spec=P("data", None),
         )
     if kind == "vit":
-        from decoupled_diloco import vision_data, vit
+        from decoupled_diloco.data import vision as vision_data
+        from decoupled_diloco.models import vit
 
         side = DATASETS[config.data.dataset]
         return Task(
@@ -147,7 +148,7 @@ class ImageDataset:
 
     def train_iterator(self, batch_size: int, learner_id: int, num_learners: int, seed: int):
         """See `vision_data.train_iterator`."""
-        from decoupled_diloco import vision_data
+        from decoupled_diloco.data import vision as vision_data
 
         return vision_data.train_iterator(
             self.images, batch_size, learner_id, num_learners, seed, self.augment
@@ -155,7 +156,7 @@ class ImageDataset:
 
     def validation_batches(self, batch_size: int, num_batches: int) -> list[dict]:
         """See `vision_data.validation_batches`."""
-        from decoupled_diloco import vision_data
+        from decoupled_diloco.data import vision as vision_data
 
         return vision_data.validation_batches(self.images, batch_size, num_batches)
 
@@ -184,7 +185,7 @@ def load_dataset(config: ExperimentConfig, preloaded: Any = None) -> Dataset:
     if config.data.dataset == "text":
         corpus = preloaded or data_lib.load_corpus(config.data.path, config.data.val_fraction)
         return TextDataset(corpus, config.model.seq_len)
-    from decoupled_diloco import vision_data
+    from decoupled_diloco.data import vision as vision_data
 
     images = preloaded or vision_data.load_images(config.data.dataset, config.data.val_fraction)
     return ImageDataset(images, config.data.augment)

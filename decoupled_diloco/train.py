@@ -18,12 +18,12 @@ import jax
 import numpy as np
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import data as data_lib
 from decoupled_diloco import tasks
-from decoupled_diloco import timeline as timeline_lib
-from decoupled_diloco.compression import ring_allreduce_bytes
-from decoupled_diloco.metrics import MetricsWriter, Progress, write_summary
-from decoupled_diloco.model import Params, count_params
+from decoupled_diloco.core.compression import ring_allreduce_bytes
+from decoupled_diloco.data import text as data_lib
+from decoupled_diloco.models.transformer import Params, count_params
+from decoupled_diloco.obs import timeline as timeline_lib
+from decoupled_diloco.obs.metrics import MetricsWriter, Progress, write_summary
 from decoupled_diloco.trainers import DataParallelTrainer, DiLoCoTrainer
 
 TRAINERS = {"dp": DataParallelTrainer, "diloco": DiLoCoTrainer}
@@ -75,7 +75,7 @@ def train_and_evaluate(
       The summary and the final global parameters (host arrays).
     """
     if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
-        from decoupled_diloco.launch import run_decoupled
+        from decoupled_diloco.local.launch import run_decoupled
 
         config_lib.validate(config)
         summary, params = run_decoupled(config, workdir, corpus=corpus)
@@ -88,7 +88,7 @@ def train_and_evaluate(
         # `supervisor.run_synchronous`); here we only supervise it.
         if workdir is None:
             raise config_lib.ConfigError("config.chaos: a run under faults needs a workdir")
-        from decoupled_diloco.supervisor import run_synchronous
+        from decoupled_diloco.local.supervisor import run_synchronous
 
         summary = run_synchronous(config, pathlib.Path(workdir))
         params = _final_params(config, devices, corpus, pathlib.Path(workdir))

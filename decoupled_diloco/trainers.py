@@ -20,11 +20,11 @@ import grain
 import jax
 import numpy as np
 
-from decoupled_diloco import outer
 from decoupled_diloco.checkpointing import IslandCheckpointer
 from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.core import outer
 from decoupled_diloco.island import InnerState, Island
-from decoupled_diloco.model import Params, is_embedding
+from decoupled_diloco.models.transformer import Params, is_embedding
 
 PyTree = Any
 
@@ -54,7 +54,7 @@ _CONTROLS: dict[int, Any] = {}
 def _chaos_slowdown(learner: int) -> float:
     """The slow-down a fault schedule puts on `learner` now (1 without one)."""
     if learner not in _CONTROLS:
-        from decoupled_diloco import chaos
+        from decoupled_diloco.chaos import faults as chaos
 
         _CONTROLS[learner] = chaos.Controls.from_env(learner)
     controls = _CONTROLS[learner]

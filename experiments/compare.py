@@ -26,7 +26,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco.report import finite
+from decoupled_diloco.obs.report import finite
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/compare", "Directory for all runs and the table.")
@@ -74,7 +74,7 @@ def _cell(x: object, spec: str) -> str:
 
 def write_comparison(workdir: pathlib.Path, modes: Sequence[str]) -> pathlib.Path:
     """Writes `workdir/comparison.md` and `workdir/comparison/*.png` from the finished runs."""
-    from decoupled_diloco.report import Run, plot_bars, plot_eval
+    from decoupled_diloco.obs.report import Run, plot_bars, plot_eval
 
     runs = [Run(workdir / mode, label=mode) for mode in modes]
     out = workdir / "comparison"
@@ -121,7 +121,7 @@ def write_comparison(workdir: pathlib.Path, modes: Sequence[str]) -> pathlib.Pat
     plots.append(("wall time", "wall_time.png"))
     goodputs = {r.label: r.goodput() for r in runs if r.goodput()}
     if goodputs:
-        from decoupled_diloco.timeline_plot import plot_goodput
+        from decoupled_diloco.obs.timeline_plot import plot_goodput
 
         plot_goodput(goodputs, out / "goodput.png")
         plots.append(("goodput and uptime", "goodput.png"))
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> None:
             config_lib.replace(config, mode=mode)
         except config_lib.ConfigError as error:
             raise app.UsageError(f"--config.mode={mode}: {error}") from None
-    from decoupled_diloco.launch import write_config_file
+    from decoupled_diloco.local.launch import write_config_file
 
     workdir = pathlib.Path(_WORKDIR.value).absolute()
     workdir.mkdir(parents=True, exist_ok=True)

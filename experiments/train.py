@@ -5,7 +5,7 @@ Example:
       --config.mode=dp --config.num_learners=4
 
 `--config.mode=decoupled` starts a syncer and one process per learner on 127.0.0.1 (see
-`decoupled_diloco.launch` and `experiments/configs/tiny_lm_decoupled.py`).
+`decoupled_diloco.local.launch` and `experiments/configs/tiny_lm_decoupled.py`).
 
 Kept short on purpose: the logic is `decoupled_diloco.train.train_and_evaluate`, importable
 from Colab and research code.
@@ -15,7 +15,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco.cpu_devices import configure_cpu_devices
+from decoupled_diloco.runtime import configure_cpu_devices
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> None:
         f"[{s['mode']}] done: final eval loss {s['final_eval_loss']:.4f}{accuracy_text} after "
         f"{s['tokens']:,} tokens in {s['wall_s']:.0f}s; metrics and summary in {_WORKDIR.value}/"
     )
-    from decoupled_diloco.report import next_steps, write_report
+    from decoupled_diloco.obs.report import next_steps, write_report
 
     report = write_report(_WORKDIR.value)
     if _HINTS.value:
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from decoupled_diloco.procs import die_with_parent
+    from decoupled_diloco.runtime import die_with_parent
 
     die_with_parent()  # a no-op unless our own launcher (a chaos supervisor) started this
     app.run(main)

@@ -4,7 +4,7 @@ import os
 import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-from decoupled_diloco.cpu_devices import configure_cpu_devices  # noqa: E402
+from decoupled_diloco.runtime import configure_cpu_devices  # noqa: E402
 
 configure_cpu_devices(8)  # keeps the count above; adds XLA:CPU's long collective timeouts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,6 +39,6 @@ def tiny_config(**overrides) -> config_lib.ExperimentConfig:
 
 @pytest.fixture(scope="session")
 def corpus():
-    from decoupled_diloco import data
+    from decoupled_diloco.data import text as data
 
     return data.load_corpus()

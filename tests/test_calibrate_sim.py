@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.sim import goodput_from_schedule
 from tools import calibrate_sim
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from decoupled_diloco import chaos
-from decoupled_diloco import timeline as tl
-from decoupled_diloco.launch import Processes
-from decoupled_diloco.procs import wait_until
-from decoupled_diloco.supervisor import EventLog, Supervisor, start_injector
+from decoupled_diloco.chaos import faults as chaos
+from decoupled_diloco.local.launch import Processes
+from decoupled_diloco.local.procs import wait_until
+from decoupled_diloco.local.supervisor import EventLog, Supervisor, start_injector
+from decoupled_diloco.obs import timeline as tl
 
 R = tl.Record
 
@@ -301,7 +301,7 @@ def test_degraded_link_drops_requests_and_replies_and_adds_latency(tmp_path, mon
 
 
 def test_pictures_of_a_timeline_and_of_goodput_by_mode(tmp_path):
-    from decoupled_diloco.timeline_plot import plot_goodput, plot_timeline
+    from decoupled_diloco.obs.timeline_plot import plot_goodput, plot_timeline
 
     writer = tl.Timeline(tmp_path / "timeline", "learner_0", [0])
     for i, state in enumerate(["starting", "compiling", "stepping", "down", "starting", "done"]):

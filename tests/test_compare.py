@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from decoupled_diloco.launch import write_config_file
-from decoupled_diloco.tb import read_scalars
+from decoupled_diloco.local.launch import write_config_file
+from decoupled_diloco.obs.tb import read_scalars
 from tests.conftest import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

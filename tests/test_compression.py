@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from decoupled_diloco import compression as C
 from decoupled_diloco import config as config_lib
+from decoupled_diloco.core import compression as C
 
 TINY = np.float32(np.finfo(np.float32).tiny)
 CODECS = {

@@ -11,14 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco import compression as C
-from decoupled_diloco import fragments as F
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.learner import Learner
-from decoupled_diloco.learner_recovery import LearnerCheckpoints
-from decoupled_diloco.syncer import SyncerServer
+from decoupled_diloco.core import compression as C
+from decoupled_diloco.core import fragments as F
+from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.learner.recovery import LearnerCheckpoints
+from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
 
 TOKEN = "test-token"

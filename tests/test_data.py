@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from decoupled_diloco import data
+from decoupled_diloco.data import text as data
 
 
 def _window_starts(tokens, learner_id, num_learners, steps):

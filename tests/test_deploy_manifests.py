@@ -323,7 +323,7 @@ def test_dockerfile_exposes_the_ports_the_manifests_use():
 
 
 def test_learners_trust_the_certificate_without_the_syncers_key():
-    from decoupled_diloco.syncer import SyncerServer
+    from decoupled_diloco.syncer.server import SyncerServer
 
     base = config_lib.ExperimentConfig(mode="decoupled")
     learner = config_lib.replace(base, **{"decoupled.syncer.tls_cert": "/etc/dd-tls/tls.crt"})

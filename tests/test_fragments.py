@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import fragments as F
+from decoupled_diloco.core import fragments as F
 from tests.conftest import tiny_config
 
 

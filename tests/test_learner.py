@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco import fragments as F
-from decoupled_diloco.learner import Learner
-from decoupled_diloco.syncer import SyncerServer
+from decoupled_diloco.core import fragments as F
+from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
 
 TOKEN = "learner-test"
@@ -163,7 +163,7 @@ def test_a_merge_waits_tau_steps_unless_applied_on_arrival_and_its_lag_is_logged
 
 
 def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
-    from decoupled_diloco.learner_link import Inbound
+    from decoupled_diloco.learner.link import Inbound
 
     config = _config(inner_steps=8, **{"decoupled.fragments": 2, "decoupled.keep_overlap": True})
     learner = Learner(config, 0, "127.0.0.1:1", devices=jax.devices()[:1], mesh_shape=(1, 1))
@@ -189,7 +189,7 @@ def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
 
 
 def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arrives():
-    from decoupled_diloco.learner_link import Inbound
+    from decoupled_diloco.learner.link import Inbound
 
     z = {
         "compression.scheme": "topk",

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from decoupled_diloco import data
+from decoupled_diloco.data import text as data
 from decoupled_diloco.island import Island
 from decoupled_diloco.train import build_trainer, train_and_evaluate
 from tests.conftest import tiny_config

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import moe, outer
+from decoupled_diloco.core import outer
 from decoupled_diloco.island import Island, make_island_mesh
-from decoupled_diloco.model import Transformer
+from decoupled_diloco.models import moe
+from decoupled_diloco.models.transformer import Transformer
 
 
 def _reference_dispatch(experts_GSK, num_experts, capacity):

@@ -15,10 +15,10 @@ import textwrap
 import pytest
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import launch
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.multihost import ProcessGroup, local_device_count
-from decoupled_diloco.procs import wait_until
+from decoupled_diloco.learner.multihost import ProcessGroup, local_device_count
+from decoupled_diloco.local import launch
+from decoupled_diloco.local.procs import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multihost-test-token"
@@ -211,7 +211,7 @@ CHECKPOINT_WORKER = textwrap.dedent(
     import sys
     import numpy as np
     from decoupled_diloco import multihost
-    from decoupled_diloco.cpu_devices import configure_cpu_devices
+    from decoupled_diloco.runtime import configure_cpu_devices
 
     pid, coordinator, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     configure_cpu_devices(2)
@@ -249,7 +249,7 @@ CHECKPOINT_WORKER = textwrap.dedent(
 
 @pytest.mark.multiprocess
 def test_multihost_island_checkpoint_is_written_and_restored_collectively(tmp_path):
-    from decoupled_diloco.procs import free_port, reap
+    from decoupled_diloco.local.procs import free_port, reap
 
     coordinator = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

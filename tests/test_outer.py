@@ -4,7 +4,7 @@ import numpy as np
 import optax
 import pytest
 
-from decoupled_diloco import outer
+from decoupled_diloco.core import outer
 
 RNG = np.random.default_rng(0)
 

@@ -7,18 +7,19 @@ import subprocess
 import sys
 import textwrap
 
-from decoupled_diloco import procs
+from decoupled_diloco import runtime
+from decoupled_diloco.local import procs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # A child that asks to die with its parent, says its pid, then waits to be killed.
-CHILD = "from decoupled_diloco.procs import die_with_parent; import os, time; die_with_parent(); print(os.getpid(), flush=True); time.sleep(600)"  # noqa: E501
+CHILD = "from decoupled_diloco.runtime import die_with_parent; import os, time; die_with_parent(); print(os.getpid(), flush=True); time.sleep(600)"  # noqa: E501
 
 # A launcher that starts CHILD through `launch.Processes`, reports the child's pid, and waits.
 LAUNCHER = textwrap.dedent(f"""
     import pathlib, sys, time
     from decoupled_diloco import launch
-    from decoupled_diloco.procs import wait_until
+    from decoupled_diloco.local.procs import wait_until
     procs = launch.Processes(pathlib.Path(sys.argv[1]), {{}})
     procs.start("child", [sys.executable, "-c", {CHILD!r}])
     log = pathlib.Path(sys.argv[1]) / "child.log"
@@ -61,7 +62,7 @@ def test_children_of_a_launcher_killed_with_sigkill_follow_it(tmp_path):
 
 
 # Reads back the parent-death signal (prctl PR_GET_PDEATHSIG) after `die_with_parent`.
-GET_SIGNAL = "from decoupled_diloco.procs import die_with_parent; import ctypes; die_with_parent(); v = ctypes.c_int(); ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"  # noqa: E501
+GET_SIGNAL = "from decoupled_diloco.runtime import die_with_parent; import ctypes; die_with_parent(); v = ctypes.c_int(); ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"  # noqa: E501
 
 
 def test_a_process_started_by_hand_is_left_alone():
@@ -69,7 +70,7 @@ def test_a_process_started_by_hand_is_left_alone():
         [sys.executable, "-c", GET_SIGNAL],
         stdout=subprocess.PIPE,
         text=True,
-        env={k: v for k, v in os.environ.items() if k != procs.PARENT_PID_ENV},
+        env={k: v for k, v in os.environ.items() if k != runtime.PARENT_PID_ENV},
         cwd=ROOT,
     )
     out, _ = proc.communicate(timeout=60)

@@ -24,9 +24,9 @@ import pytest
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.launch import GlobalEvaluator, write_config_file
-from decoupled_diloco.procs import free_port, wait_until
-from decoupled_diloco.syncer import SyncerServer
+from decoupled_diloco.local.launch import GlobalEvaluator, write_config_file
+from decoupled_diloco.local.procs import free_port, wait_until
+from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -163,8 +163,8 @@ def test_corrupt_syncer_snapshot_falls_back_with_a_warning_and_the_log_loses_not
 
 
 def test_outbox_folds_what_a_newer_push_contains_and_bounds_the_rest():
-    from decoupled_diloco import fragments as F
-    from decoupled_diloco.learner_recovery import Outbox, reschedule
+    from decoupled_diloco.core import fragments as F
+    from decoupled_diloco.learner.recovery import Outbox, reschedule
 
     box = Outbox(num_fragments=2, bound=2)
     first = box.add(0, base=3, steps=8, tokens=100, foldable=True)

@@ -3,7 +3,7 @@ numbers worked out by hand."""
 
 import pytest
 
-from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.sim import goodput_from_schedule, learner_timeline
 
 # One learner, 10 steps of 1 s; step 1 compiles inside the 2 s start-up, so step 2 starts at 2;

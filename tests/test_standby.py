@@ -11,17 +11,18 @@ import signal
 import pytest
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import learner_recovery, standby
-from decoupled_diloco import timeline as tl
-from decoupled_diloco.launch import (
+from decoupled_diloco.learner import recovery as learner_recovery
+from decoupled_diloco.learner import standby
+from decoupled_diloco.local.launch import (
     Processes,
     child_env,
     learner_command,
     syncer_command,
     write_config_file,
 )
-from decoupled_diloco.procs import free_port, wait_until
-from decoupled_diloco.supervisor import EventLog, Supervisor, learner_env, prepare_run
+from decoupled_diloco.local.procs import free_port, wait_until
+from decoupled_diloco.local.supervisor import EventLog, Supervisor, learner_env, prepare_run
+from decoupled_diloco.obs import timeline as tl
 from tests.conftest import tiny_config
 
 STEPS = 300

@@ -9,9 +9,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from decoupled_diloco import watch
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.syncer import SyncerServer
+from decoupled_diloco.obs import watch
+from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

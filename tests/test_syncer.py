@@ -4,12 +4,12 @@ import grpc
 import numpy as np
 import pytest
 
-from decoupled_diloco import fragments as F
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.syncer import SyncerServer
-from decoupled_diloco.syncer_state import token_weight
+from decoupled_diloco.core import fragments as F
+from decoupled_diloco.syncer.server import SyncerServer
+from decoupled_diloco.syncer.state import token_weight
 from tests.conftest import tiny_config
 
 TOKEN = "test-token"
@@ -246,8 +246,8 @@ class _Clock:
 
 
 def test_grace_window_follows_eq3_with_emas_and_waits_for_a_second_learner():
-    from decoupled_diloco.syncer import initial_fragments
-    from decoupled_diloco.syncer_state import Push, SyncerState, grace_window
+    from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.syncer.state import Push, SyncerState, grace_window
 
     config = _config(
         **{
@@ -370,8 +370,8 @@ def test_client_retries_until_the_syncer_is_up_and_the_push_counts_once():
     import threading
     import time
 
-    from decoupled_diloco.procs import free_port
-    from decoupled_diloco.syncer import initial_fragments
+    from decoupled_diloco.local.procs import free_port
+    from decoupled_diloco.syncer.server import initial_fragments
 
     config = _config(**{"decoupled.quorum": 2})
     port = free_port()

@@ -1,7 +1,7 @@
 """TensorBoard event files written next to metrics.jsonl, read back from disk."""
 
-from decoupled_diloco.metrics import MetricsWriter
-from decoupled_diloco.tb import read_scalars
+from decoupled_diloco.obs.metrics import MetricsWriter
+from decoupled_diloco.obs.tb import read_scalars
 
 
 def test_synchronous_events_go_to_one_train_run(tmp_path):

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from decoupled_diloco import fragments as F
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import wire
+from decoupled_diloco.core import fragments as F
 
 
 def _arrays():

@@ -13,7 +13,7 @@ import datetime
 import pathlib
 import sys
 
-from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.obs import timeline as timeline_lib
 from tools import calibrate_sim
 from tools.run_benchmarks import machine_description
 

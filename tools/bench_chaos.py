@@ -3,9 +3,9 @@
   python -m tools.bench_chaos --out=benchmarks/results/chaos.md
 
 Every run is a real `python -m experiments.train` process tree (decoupled: a syncer and one
-process per learner on 127.0.0.1); faults are real `kill -9`s from `decoupled_diloco.chaos`,
-restarts come from `decoupled_diloco.supervisor`, and goodput/uptime are computed from the
-learners' timelines (`decoupled_diloco.timeline`, definitions in docs/DESIGN.md).
+process per learner on 127.0.0.1); faults are real `kill -9`s from `decoupled_diloco.chaos.faults`,
+restarts come from `decoupled_diloco.local.supervisor`, and goodput/uptime are computed from the
+learners' timelines (`decoupled_diloco.obs.timeline`, definitions in docs/DESIGN.md).
 
 1. MTBF: 4 learners, tiny_lm, each learner failing on average every `--mtbf` s of its uptime
    (exponential, seeded) with a `--repair` s repair, the same schedule for the three modes.
@@ -34,8 +34,8 @@ import time
 from concurrent import futures
 from typing import Any
 
-from decoupled_diloco import timeline as timeline_lib
-from decoupled_diloco.timeline_plot import plot_goodput, plot_timeline
+from decoupled_diloco.obs import timeline as timeline_lib
+from decoupled_diloco.obs.timeline_plot import plot_goodput, plot_timeline
 from experiments.configs.tiny_lm_decoupled import BEFORE_GATHER
 from tools.run_benchmarks import machine_description
 

@@ -147,7 +147,7 @@ def throughput(num_params: int = 100_000_000, repeats: int = 2) -> list[tuple]:
     import jax.numpy as jnp
     import numpy as np
 
-    from decoupled_diloco import compression as C
+    from decoupled_diloco.core import compression as C
 
     rng = np.random.default_rng(0)
     tree = [rng.standard_normal(num_params // 8, dtype=np.float32) * 1e-3 for _ in range(8)]

@@ -10,7 +10,7 @@ the time went since the process started (`learner_recovery.startup_line`); the t
 lines. The issue's torchft comparison target is <= 4 s from restart to stepping again.
 
 `--standby` measures a second table the same way, restarting by activating a warm standby
-(`decoupled_diloco.standby`) instead of starting a new process: before each kill a spare has
+(`decoupled_diloco.learner.standby`) instead of starting a new process: before each kill a spare has
 warmed up (as a hot spare host has by the time a machine fails), and the time counts from its
 activation.
 """
@@ -50,9 +50,9 @@ def measure(kills: int, workdir: pathlib.Path, standby: bool) -> list[tuple[str,
 
     With `standby`, each restart activates a warm spare (started and warmed up before the kill).
     """
-    from decoupled_diloco import launch
-    from decoupled_diloco.procs import free_port
-    from decoupled_diloco.standby import Spares
+    from decoupled_diloco.learner.standby import Spares
+    from decoupled_diloco.local import launch
+    from decoupled_diloco.local.procs import free_port
 
     config = _config()
     workdir.mkdir(parents=True, exist_ok=True)

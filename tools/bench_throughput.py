@@ -27,9 +27,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from decoupled_diloco import config as config_lib  # noqa: E402
-from decoupled_diloco import data  # noqa: E402
+from decoupled_diloco.data import text as data  # noqa: E402
 from decoupled_diloco.island import Island  # noqa: E402
-from decoupled_diloco.model import Transformer, lm_loss  # noqa: E402
+from decoupled_diloco.models.transformer import Transformer, lm_loss  # noqa: E402
 from decoupled_diloco.optim import make_inner_optimizer  # noqa: E402
 
 WINDOW, WINDOWS, WARMUP = 20, 6, 3

@@ -98,9 +98,9 @@ def bench_raw(port: int, total: int, repeats: int) -> tuple[float, float]:
 
 def bench_syncer(address: str, config, repeats: int, register: bool) -> tuple:
     """Best push, pull and parallel-pull MB/s of every fragment through the real calls."""
-    from decoupled_diloco import fragments as F
     from decoupled_diloco.comm.client import SyncerClient
-    from decoupled_diloco.syncer import initial_fragments
+    from decoupled_diloco.core import fragments as F
+    from decoupled_diloco.syncer.server import initial_fragments
 
     cut, values = initial_fragments(config)
     specs = sorted((s for f in cut for s in f), key=lambda s: s.index)
@@ -154,7 +154,7 @@ def main() -> None:
         serve_raw(args.serve_raw)
         return
     from decoupled_diloco import config as c
-    from decoupled_diloco.launch import write_config_file
+    from decoupled_diloco.local.launch import write_config_file
 
     config = c.replace(
         c.ExperimentConfig(mode="decoupled", num_learners=2, inner_steps=8),
@@ -196,7 +196,7 @@ def main() -> None:
             first = False
         push, pull, par, raw_up, raw_down = (max(x) for x in zip(*runs, strict=True))
     finally:
-        from decoupled_diloco.procs import reap
+        from decoupled_diloco.local.procs import reap
 
         reap(procs)
     command = f"python -m tools.bench_transport --out={args.out or 'PATH'}"

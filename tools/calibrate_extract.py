@@ -17,7 +17,7 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.obs import timeline as timeline_lib
 
 SYNC_MODES = ("dp", "diloco")
 

@@ -35,7 +35,7 @@ import math
 import pathlib
 from collections.abc import Sequence
 
-from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.sim import goodput_from_schedule
 from decoupled_diloco.sim.budgets import budget_result, budget_timelines, window
 from tools.calibrate_extract import RunFacts, extract

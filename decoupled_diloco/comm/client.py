@@ -16,7 +16,7 @@ from decoupled_diloco.comm import faulty_link, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.config import SyncerConfig
-from decoupled_diloco.fragments import TensorSpec
+from decoupled_diloco.core.fragments import TensorSpec
 
 T = TypeVar("T")
 # Worth retrying: the syncer may be restarting or busy. Everything else is a real refusal.

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from decoupled_diloco import chaos
+from decoupled_diloco.chaos import faults as chaos
 
 
 class DroppedCall(grpc.RpcError, grpc.Call):

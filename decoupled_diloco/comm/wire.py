@@ -17,11 +17,11 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
-from decoupled_diloco import compression
 from decoupled_diloco.comm import syncer_pb2 as pb
-from decoupled_diloco.compression import Codec
 from decoupled_diloco.config import SyncerConfig
-from decoupled_diloco.fragments import TensorSpec
+from decoupled_diloco.core import compression
+from decoupled_diloco.core.compression import Codec
+from decoupled_diloco.core.fragments import TensorSpec
 
 TOKEN_HEADER = "x-dd-run-token"
 TOKEN_ENV = "DD_RUN_TOKEN"

@@ -16,7 +16,7 @@ exactly instead (docs/simulator.md, "Calibration"):
   it, which, given the kill time, the step time and the learner's restart history, is one
   number, not the C/2 average.
 
-The model writes each learner's states as `decoupled_diloco.timeline` records (the format a real
+The model writes each learner's states as `decoupled_diloco.obs.timeline` records (the format a real
 run writes), so goodput and uptime come from `timeline.analyze`, the same function, the same
 definitions and the same window as the run's own measurement. It loops over steps (hundreds per
 learner), which is fine for calibration and not meant for a million chips.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from decoupled_diloco.obs.timeline import Record, analyze
 from decoupled_diloco.sim.engines import SystemResult
-from decoupled_diloco.timeline import Record, analyze
 
 
 def learner_timeline(

@@ -29,9 +29,9 @@ import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco import syncer_wal as wal
 from decoupled_diloco.checkpointing import IslandCheckpointer
-from decoupled_diloco.syncer_state import LearnerInfo, Push, PushResult, SyncerState
+from decoupled_diloco.syncer import wal
+from decoupled_diloco.syncer.state import LearnerInfo, Push, PushResult, SyncerState
 
 FORMAT = 1
 

@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from decoupled_diloco import fragments as F
-from decoupled_diloco import learner_recovery as recovery
 from decoupled_diloco.comm import wire
+from decoupled_diloco.core import fragments as F
+from decoupled_diloco.learner import recovery
 
 
 @dataclasses.dataclass

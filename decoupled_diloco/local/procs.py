@@ -1,10 +1,7 @@
-"""Child-process hygiene: die with the parent, free ports, reap process groups."""
+"""Child-process hygiene for launchers: free ports, reap process groups."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -12,32 +9,6 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
-
-_PR_SET_PDEATHSIG = 1
-# Set by `launch.Processes` in each child's environment: the pid of the process that started it.
-PARENT_PID_ENV = "DD_PARENT_PID"
-
-
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Makes a child of our launcher follow it: Linux sends `sig` when the parent dies.
-
-    Only for processes started by `launch.Processes` (which sets `DD_PARENT_PID`); a learner or
-    syncer started by hand, by `nohup` or by a process manager is left alone. A launcher killed
-    with SIGKILL cannot clean up; this makes its children follow it. Each child calls this
-    first thing after it starts, never in a `preexec_fn`: running Python between fork and exec
-    in a launcher with gRPC and JAX threads can deadlock the child before it execs (a lock held
-    by another thread at fork time). A parent that died before the call is caught by comparing
-    with `DD_PARENT_PID`.
-    """
-    expected = os.environ.get(PARENT_PID_ENV, "")
-    if not expected.isdigit():
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(expected):
-        os.kill(os.getpid(), sig)  # the parent is already gone
 
 
 def free_port(host: str = "127.0.0.1") -> int:

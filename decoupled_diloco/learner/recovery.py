@@ -47,9 +47,9 @@ import grpc
 import jax
 import numpy as np
 
-from decoupled_diloco import fragments as F
 from decoupled_diloco.checkpointing import IslandCheckpointer
 from decoupled_diloco.comm.client import RETRYABLE
+from decoupled_diloco.core import fragments as F
 
 T = TypeVar("T")
 
@@ -68,20 +68,6 @@ def use_compile_cache(default: pathlib.Path) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def process_start_time() -> float:
-    """This process's start as a Unix time (Linux /proc; else now)."""
-    try:
-        ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(
-            float(line.split()[1])
-            for line in pathlib.Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
 
 
 _PHASES = (

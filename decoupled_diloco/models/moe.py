@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 
 from decoupled_diloco.config import ModelConfig, MoEConfig
-from decoupled_diloco.model import Attention, Params
+from decoupled_diloco.models.transformer import Attention, Params
 
 EXPERT_AXIS = "model"  # The island mesh axis the expert dimension is sharded over.
 

@@ -43,11 +43,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from decoupled_diloco import fragments as F
 from decoupled_diloco.config import ConfigError, ExperimentConfig
+from decoupled_diloco.core import fragments as F
 from decoupled_diloco.island import InnerState
-from decoupled_diloco.learner import Learner
-from decoupled_diloco.learner_link import Inbound
+from decoupled_diloco.learner.link import Inbound
+from decoupled_diloco.learner.loop import Learner
 
 # Seconds without a heartbeat before the coordination service declares a process dead and
 # aborts the island's other processes (JAX's default is 100 s, slow for a failure test).

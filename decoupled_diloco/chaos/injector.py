@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from decoupled_diloco.chaos import Fault, Schedule, write_controls
+from decoupled_diloco.chaos.faults import Fault, Schedule, write_controls
 
 
 class Target(Protocol):

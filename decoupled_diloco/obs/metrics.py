@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from decoupled_diloco.tb import TensorBoardWriter
+from decoupled_diloco.obs.tb import TensorBoardWriter
 
 
 class MetricsWriter:

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from decoupled_diloco.config import ModelConfig
-from decoupled_diloco.model import Block, Params
+from decoupled_diloco.models.transformer import Block, Params
 
 _INIT_STD = 0.02
 

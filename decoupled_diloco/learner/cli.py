@@ -19,9 +19,9 @@ from typing import Any
 from absl import app, flags
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import learner_recovery as recovery
-from decoupled_diloco.learner import Learner
-from decoupled_diloco.procs import die_with_parent
+from decoupled_diloco import runtime
+from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.runtime import die_with_parent
 
 
 def mesh_shape_for(
@@ -45,7 +45,7 @@ def main(argv: list[str], warm: Any = None) -> None:
         config.slowdown if config.slow_learner == values.learner_id else 1.0
     )
     if values.num_processes > 1:  # One island over several processes (hosts): see multihost.
-        from decoupled_diloco import multihost
+        from decoupled_diloco.learner import multihost
 
         group = multihost.ProcessGroup(values.coordinator, values.num_processes, values.process_id)
         multihost.initialize(group)
@@ -94,22 +94,20 @@ def start() -> None:
         # timeouts), before JAX picks a backend.
         from absl import logging
 
-        from decoupled_diloco.cpu_devices import configure_cpu_devices
+        from decoupled_diloco.runtime import configure_cpu_devices
 
         if not flags.FLAGS["verbosity"].present:  # Orbax logs every checkpoint at INFO
             logging.set_verbosity(logging.WARNING)
         config = config_lib.from_config_dict(flags.FLAGS.config)
         shape = mesh_shape_for(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
-        from decoupled_diloco.multihost import local_device_count
+        from decoupled_diloco.learner.multihost import local_device_count
 
         configure_cpu_devices(local_device_count(shape[0] * shape[1], flags.FLAGS.num_processes))
         # A restarted learner loads its compiled step from the persistent cache.
-        recovery.use_compile_cache(
-            pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
-        )
+        runtime.use_compile_cache()
         try:
             if flags.FLAGS.standby:  # a warm spare: set up now, told which learner later
-                from decoupled_diloco import standby
+                from decoupled_diloco.learner import standby
 
                 standby.serve(flags.FLAGS.standby, config, shape, main)
             else:

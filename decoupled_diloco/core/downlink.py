@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from decoupled_diloco import compression
-from decoupled_diloco.compression import Codec
-from decoupled_diloco.fragments import TensorSpec
+from decoupled_diloco.core import compression
+from decoupled_diloco.core.compression import Codec
+from decoupled_diloco.core.fragments import TensorSpec
 
 
 class Downlink:

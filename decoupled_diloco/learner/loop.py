@@ -26,15 +26,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decoupled_diloco import chaos, compression, tasks
-from decoupled_diloco import fragments as F
-from decoupled_diloco import learner_recovery as recovery
+from decoupled_diloco import runtime, tasks
+from decoupled_diloco.chaos import faults as chaos
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
+from decoupled_diloco.core import compression
+from decoupled_diloco.core import fragments as F
 from decoupled_diloco.island import InnerState, Island
-from decoupled_diloco.learner_link import Encoded, Inbound, SyncerLink
-from decoupled_diloco.timeline import Timeline
+from decoupled_diloco.learner import recovery
+from decoupled_diloco.learner.link import Encoded, Inbound, SyncerLink
+from decoupled_diloco.obs.timeline import Timeline
 
 _STEP_WINDOW = 10  # steps per measurement of this learner's step time
 
@@ -94,7 +96,7 @@ class Learner(SyncerLink):
         )
         self.data_position = self.skipped_batches = self.lost_steps = 0
         self.restarts = self.restored_from_step = 0
-        self.startup: dict[str, float] = {"process_start": recovery.process_start_time()}
+        self.startup: dict[str, float] = {"process_start": runtime.process_start_time()}
         self.startup["constructing"] = t_construct
         self.anchor: list[list[np.ndarray]] = [[] for _ in range(num)]
         self.versions = [0] * num
@@ -454,27 +456,3 @@ class Learner(SyncerLink):
             "rounds": self.round_log,
             "applied": self.applied,
         }
-
-
-if __name__ == "__main__":
-    from absl import flags
-    from ml_collections import config_flags
-
-    from decoupled_diloco import learner_cli
-
-    config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
-    flags.DEFINE_string(
-        "syncer", "127.0.0.1:50051", "HOST:PORT of the syncer (of each shard: comma-separated)."
-    )
-    flags.DEFINE_integer("learner_id", 0, "This learner's index.")
-    flags.DEFINE_string("mesh_shape", "", "DATAxMODEL, overriding the config (e.g. 2x1).")
-    flags.DEFINE_float("slowdown", 0.0, "Step slow-down factor (default: from the config).")
-    flags.DEFINE_string("summary", "", "Write this learner's summary JSON here.")
-    flags.DEFINE_string(
-        "workdir", "", "Run directory: checkpoints and data journal (with checkpoint.every)."
-    )
-    flags.DEFINE_string("coordinator", "", "Multi-process island: HOST:PORT of its process 0.")
-    flags.DEFINE_integer("num_processes", 1, "Processes (hosts) forming this learner's island.")
-    flags.DEFINE_integer("process_id", 0, "This process's index in its island (0: leader).")
-    flags.DEFINE_string("standby", "", "Warm standby: warm up, then wait in DIR (see standby).")
-    learner_cli.start()

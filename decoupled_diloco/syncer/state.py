@@ -43,10 +43,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from decoupled_diloco import outer
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.fragments import TensorSpec
-from decoupled_diloco.model import is_embedding
+from decoupled_diloco.core import outer
+from decoupled_diloco.core.fragments import TensorSpec
+from decoupled_diloco.models.transformer import is_embedding
 
 
 def token_weight(tokens: int, steps: int) -> float:

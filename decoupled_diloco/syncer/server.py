@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hmac
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -23,15 +22,15 @@ from typing import Any
 import grpc
 import numpy as np
 
-from decoupled_diloco import compression
-from decoupled_diloco import fragments as F
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm import wire
-from decoupled_diloco.compression import Codec
-from decoupled_diloco.compression_downlink import Downlink
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.syncer_state import Push, SyncerState
+from decoupled_diloco.core import compression
+from decoupled_diloco.core import fragments as F
+from decoupled_diloco.core.compression import Codec
+from decoupled_diloco.core.downlink import Downlink
+from decoupled_diloco.syncer.state import Push, SyncerState
 
 
 @functools.lru_cache(maxsize=4)
@@ -329,7 +328,7 @@ class SyncerServer:
         self.state = SyncerState(config, cut, values, owned=owned)
         self.committer = self.restored_step = None
         if checkpoint_dir:
-            from decoupled_diloco.syncer_checkpoint import Committer
+            from decoupled_diloco.syncer.durability import Committer
 
             self.committer = Committer(
                 self.state, checkpoint_dir, config.checkpoint.max_to_keep, s.snapshot_s
@@ -398,9 +397,9 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     import pathlib
 
-    from decoupled_diloco.learner_recovery import use_compile_cache
+    from decoupled_diloco.runtime import use_compile_cache
 
-    use_compile_cache(pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax")
+    use_compile_cache()
     config = config_lib.from_config_dict(values.config)
     server = SyncerServer(
         config,
@@ -434,21 +433,3 @@ def main(argv: list[str]) -> None:
     done.wait()
     server.stop()
     print("[syncer] stopped", flush=True)
-
-
-if __name__ == "__main__":
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    from decoupled_diloco.procs import die_with_parent
-
-    config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
-    flags.DEFINE_string("host", "", "Interface to bind (default: config.decoupled.syncer.host).")
-    flags.DEFINE_integer("port", -1, "Port (default: config.decoupled.syncer.port; 0: any free).")
-    flags.DEFINE_string("port_file", "", "Write the bound port here once serving.")
-    flags.DEFINE_integer("shard", 0, "This shard's index in [0, decoupled.syncer.shards).")
-    flags.DEFINE_string(
-        "checkpoint_dir", "", "Commit the state here and resume from it (empty: in memory)."
-    )
-    die_with_parent()
-    sys.exit(app.run(main))

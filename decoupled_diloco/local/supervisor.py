@@ -31,10 +31,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from decoupled_diloco import chaos
-from decoupled_diloco import timeline as timeline_lib
-from decoupled_diloco.injector import Injector
-from decoupled_diloco.launch import Processes
+from decoupled_diloco.chaos import faults as chaos
+from decoupled_diloco.chaos.injector import Injector
+from decoupled_diloco.local.launch import Processes
+from decoupled_diloco.obs import timeline as timeline_lib
 
 CHILD_ENV = "DD_CHAOS_CHILD"  # set in the process a synchronous run supervises
 
@@ -379,7 +379,7 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
     Raises:
       RuntimeError: the child failed on its own (its log tail is in the message).
     """
-    from decoupled_diloco.launch import write_config_file
+    from decoupled_diloco.local.launch import write_config_file
 
     t0 = time.monotonic()
     workdir = pathlib.Path(workdir).absolute()
@@ -415,7 +415,7 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
     summary = json.loads((workdir / "summary.json").read_text())
     summary.update(chaos_summary(workdir, log, t_end=time.time()))
     summary["wall_s"] = time.monotonic() - t0
-    from decoupled_diloco.metrics import write_summary
+    from decoupled_diloco.obs.metrics import write_summary
 
     write_summary(workdir, summary)
     write_timeline_png(workdir)
@@ -438,7 +438,7 @@ def chaos_summary(workdir: pathlib.Path, log: EventLog | None, t_end: float) -> 
 
 def write_timeline_png(workdir: pathlib.Path) -> pathlib.Path | None:
     """Draws `workdir/timeline.png` (learner states and faults); None if it cannot be drawn."""
-    from decoupled_diloco import timeline_plot
+    from decoupled_diloco.obs import timeline_plot
 
     try:
         return timeline_plot.plot_timeline(workdir)

@@ -3,7 +3,7 @@
 `plot_timeline` draws each learner's states with the faults marked; `plot_goodput` puts the
 goodput and uptime of several runs (modes) side by side.
 
-  python -m decoupled_diloco.timeline_plot --workdir=runs/chaos   # writes runs/chaos/timeline.png
+  python -m decoupled_diloco.obs.timeline_plot --workdir=runs/chaos  # runs/chaos/timeline.png
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
-from decoupled_diloco import timeline as timeline_lib
+from decoupled_diloco.obs import timeline as timeline_lib
 
 COLORS = {
     "starting": "#b0b0b0",

@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import watch
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
-from decoupled_diloco.compression import ring_allreduce_bytes
-from decoupled_diloco.metrics import MetricsWriter, write_summary
+from decoupled_diloco.core.compression import ring_allreduce_bytes
+from decoupled_diloco.obs import watch
+from decoupled_diloco.obs.metrics import MetricsWriter, write_summary
 
 _CONFIG_TEMPLATE = '''"""The resolved config of this run, written by the decoupled launcher."""
 
@@ -125,7 +125,7 @@ def island_commands(
     num = config.decoupled.island_processes
     if num == 1:
         return [(f"learner_{learner_id}", base)]
-    from decoupled_diloco.procs import free_port
+    from decoupled_diloco.local.procs import free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
     out = []
@@ -156,9 +156,9 @@ class Processes:
         """Starts one child, with `env` added to the common environment.
 
         Its stdout and stderr go to `log_dir/NAME.log`. The child follows its parent's death by
-        calling `procs.die_with_parent` itself (no `preexec_fn`: see there why).
+        calling `runtime.die_with_parent` itself (no `preexec_fn`: see there why).
         """
-        from decoupled_diloco.procs import PARENT_PID_ENV
+        from decoupled_diloco.runtime import PARENT_PID_ENV
 
         with (self.log_dir / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(
@@ -186,7 +186,7 @@ class Processes:
 
     def reap(self) -> None:
         """Terminates and reaps every child."""
-        from decoupled_diloco.procs import reap
+        from decoupled_diloco.local.procs import reap
 
         reap(list(self.procs.values()))
 
@@ -204,7 +204,7 @@ def _start_syncers(
     Each shard gets a fixed free port (a restart comes back on it) and, with checkpoints on,
     its own directory `workdir/checkpoints/syncer_S`. One shard is named `syncer`.
     """
-    from decoupled_diloco.procs import free_port
+    from decoupled_diloco.local.procs import free_port
 
     shards = config.decoupled.syncer.shards
     port_files = [port_file] + [workdir / f"syncer_{s}.port" for s in range(1, shards)]
@@ -275,7 +275,7 @@ def run_decoupled(
     # Absolute: the children run from the package's root, not from the caller's directory.
     workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="decoupled_")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    from decoupled_diloco import supervisor as supervisor_lib
+    from decoupled_diloco.local import supervisor as supervisor_lib
 
     # Timeline (goodput) and, under `config.chaos`, the fault schedule and its controls.
     config, chaos_env, schedule = supervisor_lib.prepare_run(config, workdir)
@@ -303,7 +303,7 @@ def run_decoupled(
             flush=True,
         )
         if schedule is not None and config.supervisor.standby:  # warm spares for restarts
-            from decoupled_diloco.standby import Spares
+            from decoupled_diloco.learner.standby import Spares
 
             shapes = config_lib.parse_mesh_shapes(config)
             supervisor.spares = Spares(
@@ -481,8 +481,8 @@ class GlobalEvaluator:
     def __init__(self, config: config_lib.ExperimentConfig, client: SyncerClient, corpus: Any):
         import jax
 
-        from decoupled_diloco import fragments as F
         from decoupled_diloco import tasks
+        from decoupled_diloco.core import fragments as F
         from decoupled_diloco.island import Island
 
         self.config, self.client = config, client

@@ -22,7 +22,7 @@ child; an activation can be written by hand or by another manager; and the spare
 shows its state (`ready`, `activate.json`). Polling costs one `stat` every 10 ms.
 
 A spare that is never activated exits with status 0 on SIGTERM (also sent when its parent
-dies, see `procs.die_with_parent`); before `serve` runs (during its imports) SIGTERM's default
+dies, see `runtime.die_with_parent`); before `serve` runs (during its imports) SIGTERM's default
 action ends it, which leaves nothing behind either.
 
 `Spares` is the supervisor's side (`supervisor.Supervisor.spares`, `config.supervisor.standby`):
@@ -45,6 +45,8 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from decoupled_diloco import runtime
 
 READY = "ready"  # written by a spare once it is warm: {"process_start": t, "ready": t}
 ACTIVATE = "activate.json"  # written by whoever activates it (see the module doc)
@@ -96,7 +98,7 @@ def _check_activation(
       ValueError: the activation names another config, several processes, or a learner whose
         mesh is not this spare's.
     """
-    from decoupled_diloco.learner_cli import mesh_shape_for
+    from decoupled_diloco.learner.cli import mesh_shape_for
 
     argv = [str(a) for a in activation.get("argv", [])]
     theirs = sorted(a for a in argv if a.startswith("--config"))
@@ -141,13 +143,11 @@ def serve(
     """
     from absl import flags
 
-    from decoupled_diloco import learner_recovery as recovery
-
     # Spare capacity holds nothing worth saving: leave at once when told to (or orphaned).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    started = recovery.process_start_time()
+    started = runtime.process_start_time()
     island = warm_up(config, shape)
     ready = time.time()
     tmp = directory / (READY + ".tmp")

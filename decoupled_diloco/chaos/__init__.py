@@ -1,0 +1,1 @@
+"""Faults as first-class inputs: seeded schedules, live controls, and the injector."""

@@ -1,0 +1,1 @@
+"""Built-in models (flax NNX): the dense transformer LM, the MoE LM, the ViT."""

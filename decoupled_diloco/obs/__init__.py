@@ -1,0 +1,1 @@
+"""Observability: metrics files, TensorBoard, timelines and goodput, plots, reports, live status."""

@@ -1,0 +1,98 @@
+"""Process set-up that entry points call first: fake CPU devices, compile cache, parent death.
+
+Fake devices and collective timeouts, before JAX starts:
+
+Islands on CPU are meshes over fake host devices. Their collectives meet in a rendezvous that
+XLA:CPU aborts after 40 s by default; on an oversubscribed machine (2 cores running several
+islands and processes) one device's thread can be starved that long, and the whole process
+dies with "Termination timeout ... of 40 seconds exceeded" (seen in a 2,000-step dp run). The
+timeouts are raised here, as the XLA:CPU flags made for uneven workloads allow.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import re
+import signal
+import time
+
+COLLECTIVE_TIMEOUT_S = 3600
+# The repository's persistent compilation cache (the Makefile and the tests use it too).
+COMPILE_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
+_PR_SET_PDEATHSIG = 1
+# Set by `local.launch.Processes` in each child's environment: the pid of its parent.
+PARENT_PID_ENV = "DD_PARENT_PID"
+_TIMEOUT_FLAGS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds",
+    "--xla_cpu_collective_timeout_seconds",
+)
+
+
+def configure_cpu_devices(num_devices: int) -> None:
+    """Asks for `num_devices` fake CPU devices and long collective timeouts via XLA_FLAGS.
+
+    Must run before JAX initialises its backend (importing jax is fine; creating arrays or
+    listing devices is not). A device count already in XLA_FLAGS is kept. Harmless on GPU/TPU:
+    the flags only affect the CPU backend.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if not re.search(r"--xla_force_host_platform_device_count=", flags):
+        flags += f" --xla_force_host_platform_device_count={max(num_devices, 1)}"
+    for flag in _TIMEOUT_FLAGS:
+        if flag not in flags:
+            flags += f" {flag}={COLLECTIVE_TIMEOUT_S}"
+    os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Makes a child of our launcher follow it: Linux sends `sig` when the parent dies.
+
+    Only for processes started by `launch.Processes` (which sets `DD_PARENT_PID`); a learner or
+    syncer started by hand, by `nohup` or by a process manager is left alone. A launcher killed
+    with SIGKILL cannot clean up; this makes its children follow it. Each child calls this
+    first thing after it starts, never in a `preexec_fn`: running Python between fork and exec
+    in a launcher with gRPC and JAX threads can deadlock the child before it execs (a lock held
+    by another thread at fork time). A parent that died before the call is caught by comparing
+    with `DD_PARENT_PID`.
+    """
+    expected = os.environ.get(PARENT_PID_ENV, "")
+    if not expected.isdigit():
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(expected):
+        os.kill(os.getpid(), sig)  # the parent is already gone
+
+
+def use_compile_cache(default: pathlib.Path = COMPILE_CACHE) -> None:
+    """Turns on JAX's persistent compilation cache (at `default` unless the environment names one).
+
+    A restarted learner then loads its compiled step instead of compiling it again. Call before
+    the first compilation; the `JAX_*` environment variables (the Makefile sets them) win.
+    """
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(default))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def process_start_time() -> float:
+    """This process's start as a Unix time (Linux /proc; else now)."""
+    try:
+        ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1])
+            for line in pathlib.Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
