@@ -19,11 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.models.mesh import make_island_mesh
 from decoupled_diloco.models.transformer import Params
 from decoupled_diloco.optim import make_inner_optimizer
 from decoupled_diloco.tasks import Batch, make_task
-
-AXES = ("data", "model")
 
 
 class InnerState(NamedTuple):
@@ -31,21 +30,6 @@ class InnerState(NamedTuple):
 
     params: Params
     opt_state: optax.OptState
-
-
-def make_island_mesh(shape: tuple[int, int], devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-    """A (`data`, `model`) mesh over exactly `devices`, with explicit Auto axis types.
-
-    Raises:
-      ValueError: the mesh shape does not match the number of devices.
-    """
-    if shape[0] * shape[1] != len(devices):
-        raise ValueError(
-            f"config.mesh.shape {tuple(shape)} needs {shape[0] * shape[1]} devices, "
-            f"got {len(devices)}"
-        )
-    auto = jax.sharding.AxisType.Auto
-    return jax.make_mesh(tuple(shape), AXES, axis_types=(auto, auto), devices=list(devices))
 
 
 class Island:

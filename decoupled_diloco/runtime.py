@@ -22,7 +22,7 @@ COLLECTIVE_TIMEOUT_S = 3600
 # The repository's persistent compilation cache (the Makefile and the tests use it too).
 COMPILE_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
 _PR_SET_PDEATHSIG = 1
-# Set by `local.launch.Processes` in each child's environment: the pid of its parent.
+# Set by `local.procs.Processes` in each child's environment: the pid of its parent.
 PARENT_PID_ENV = "DD_PARENT_PID"
 _TIMEOUT_FLAGS = (
     "--xla_cpu_collective_call_terminate_timeout_seconds",
@@ -49,7 +49,7 @@ def configure_cpu_devices(num_devices: int) -> None:
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Makes a child of our launcher follow it: Linux sends `sig` when the parent dies.
 
-    Only for processes started by `launch.Processes` (which sets `DD_PARENT_PID`); a learner or
+    Only for processes started by `local.procs.Processes` (which sets `DD_PARENT_PID`); a learner or
     syncer started by hand, by `nohup` or by a process manager is left alone. A launcher killed
     with SIGKILL cannot clean up; this makes its children follow it. Each child calls this
     first thing after it starts, never in a `preexec_fn`: running Python between fork and exec

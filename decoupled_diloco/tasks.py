@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.config import DATASETS, ExperimentConfig
 from decoupled_diloco.data import text as data_lib
-from decoupled_diloco.models.transformer import Params, Transformer, lm_loss
+from decoupled_diloco.models.mesh import make_island_mesh
+from decoupled_diloco.models.transformer import Params, Transformer, is_embedding, lm_loss
 
 Batch = Any  # an int32 (B, T+1) token array, or a dict of arrays with a leading batch axis
 
@@ -42,6 +43,8 @@ class Task:
       train_loss: (graphdef, params, batch) -> scalar loss that is differentiated.
       eval_metrics: (graphdef, params, batch) -> dict of scalars, at least `loss`.
       batch_spec: partition spec of every batch array over the island mesh (`data` first).
+      is_mean_only: a predicate on a tensor's `/`-joined path: the tensors that RDA merges
+        by the plain weighted mean (default: the embedding tables, as in Decoupled DiLoCo).
     """
 
     name: str
@@ -49,11 +52,40 @@ class Task:
     train_loss: Callable[[nnx.GraphDef, Params, Batch], jax.Array]
     eval_metrics: Callable[[nnx.GraphDef, Params, Batch], dict[str, jax.Array]]
     batch_spec: P
+    is_mean_only: Callable[[str], bool] = lambda name: is_embedding(tuple(name.split("/")))
+
+    def abstract_params(self) -> Params:
+        """The parameter tree's shapes and dtypes (`jax.ShapeDtypeStruct`s); nothing is computed."""
+        with jax.set_mesh(_one_device_mesh()):
+            model = nnx.eval_shape(lambda: self.build_model(nnx.Rngs(0)))
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+            nnx.to_pure_dict(nnx.split(model, nnx.Param)[1]),
+        )
+
+    def init_params(self, seed: int) -> Params:
+        """Freshly initialised parameters as host numpy arrays, as a learner of `seed` makes them.
+
+        On one device, with no island: the syncer's version 0 (learners start from it).
+        """
+        with jax.set_mesh(_one_device_mesh()):
+            params = jax.jit(lambda key: _params(self.build_model(nnx.Rngs(key))))(
+                jax.random.key(seed)
+            )
+        return jax.tree.map(np.asarray, jax.device_get(params))
 
     @property
     def classification(self) -> bool:
         """Whether evaluation reports accuracy."""
         return self.name == "classification"
+
+
+def _one_device_mesh() -> jax.sharding.Mesh:
+    return make_island_mesh((1, 1), jax.devices()[:1])
+
+
+def _params(model: nnx.Module) -> Params:
+    return nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
 
 
 def _lm_metrics(graphdef: nnx.GraphDef, params: Params, tokens_BT1: jax.Array) -> dict:

@@ -24,7 +24,7 @@ from decoupled_diloco.checkpointing import IslandCheckpointer
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import outer
 from decoupled_diloco.island import InnerState, Island
-from decoupled_diloco.models.transformer import Params, is_embedding
+from decoupled_diloco.models.transformer import Params
 
 PyTree = Any
 
@@ -149,8 +149,10 @@ class DiLoCoTrainer:
         self.states = [island.init(config.seed) for island in self.islands]
         self.anchor = jax.device_get(self.states[0].params)
         self.outer_state = jax.device_get(self.outer_tx.init(self.anchor))
+        # The syncer's outer round, on the whole model (`core.outer.outer_round`).
+        mean_only = outer.mean_only_mask(self.anchor, self.islands[0].task.is_mean_only)
         self._outer_round = jax.jit(
-            functools.partial(_outer_round, self.outer_tx, config.outer.merge)
+            functools.partial(_outer_round, self.outer_tx, config.outer.merge, mean_only)
         )
         self.checkpointers = (
             [
@@ -182,7 +184,9 @@ class DiLoCoTrainer:
     def sync(self) -> None:
         """Merges the islands' outer gradients, applies the outer step, broadcasts the result."""
         local = [jax.device_get(state.params) for state in self.states]
-        weights = [1.0] * len(local)  # Equal steps and tokens: token weights are all equal.
+        # Token weights, as the syncer's: every island trained the same steps and tokens.
+        steps = self.config.inner_steps
+        weights = [outer.token_weight(steps * self.config.tokens_per_step, steps)] * len(local)
         new_global, new_outer = self._outer_round(self.anchor, self.outer_state, local, weights)
         self.anchor = jax.device_get(new_global)
         self.outer_state = jax.device_get(new_outer)
@@ -245,8 +249,13 @@ class DiLoCoTrainer:
 
 
 def _outer_round(
-    tx: Any, method: str, anchor: Params, outer_state: PyTree, local: list[Params], weights: list
+    tx: Any,
+    method: str,
+    mean_only: PyTree,
+    anchor: Params,
+    outer_state: PyTree,
+    local: list[Params],
+    weights: list,
 ) -> tuple[Params, PyTree]:
     deltas = [outer.outer_gradient(anchor, params) for params in local]
-    merged = outer.merge(deltas, weights, method, is_mean_only=is_embedding)
-    return outer.outer_step(tx, anchor, outer_state, merged)
+    return outer.outer_round(tx, method, mean_only, anchor, outer_state, deltas, weights)

@@ -157,7 +157,7 @@ def main(argv: list[str]) -> None:
             config_lib.replace(config, mode=mode)
         except config_lib.ConfigError as error:
             raise app.UsageError(f"--config.mode={mode}: {error}") from None
-    from decoupled_diloco.local.launch import write_config_file
+    from decoupled_diloco.config import write_config_file
 
     workdir = pathlib.Path(_WORKDIR.value).absolute()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,9 @@ import pytest
 
 from decoupled_diloco.chaos import faults as chaos
 from decoupled_diloco.local.launch import Processes
-from decoupled_diloco.local.procs import wait_until
 from decoupled_diloco.local.supervisor import EventLog, Supervisor, start_injector
 from decoupled_diloco.obs import timeline as tl
+from tests.helpers import wait_until
 
 R = tl.Record
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from decoupled_diloco.local.launch import write_config_file
+from decoupled_diloco.config import write_config_file
 from decoupled_diloco.obs.tb import read_scalars
 from tests.conftest import tiny_config
 

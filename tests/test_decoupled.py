@@ -16,7 +16,7 @@ import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.local.procs import wait_until
+from tests.helpers import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multiprocess-test-token"

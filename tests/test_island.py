@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco.island import Island, make_island_mesh
+from decoupled_diloco.island import Island
+from decoupled_diloco.models.mesh import make_island_mesh
 from tests.conftest import tiny_config
 
 

@@ -10,8 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.core import outer
-from decoupled_diloco.island import Island, make_island_mesh
+from decoupled_diloco.island import Island
 from decoupled_diloco.models import moe
+from decoupled_diloco.models.mesh import make_island_mesh
 from decoupled_diloco.models.transformer import Transformer
 
 

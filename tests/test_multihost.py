@@ -18,7 +18,8 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.learner.multihost import ProcessGroup, local_device_count
 from decoupled_diloco.local import launch
-from decoupled_diloco.local.procs import wait_until
+from decoupled_diloco.local.procs import Processes
+from tests.helpers import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multihost-test-token"
@@ -138,8 +139,8 @@ def test_multihost_two_islands_of_two_processes_train_to_the_end(tmp_path):
 @pytest.mark.multiprocess
 def test_multihost_losing_one_process_restarts_only_its_island(tmp_path):
     config = _tiny_config(train_steps=100_000)
-    config_file = launch.write_config_file(config, tmp_path / "config.py")
-    procs = launch.Processes(tmp_path / "logs", launch.child_env(TOKEN))
+    config_file = config_lib.write_config_file(config, tmp_path / "config.py")
+    procs = Processes(tmp_path / "logs", launch.child_env(TOKEN))
     port_file = tmp_path / "syncer.port"
     client = None
     try:

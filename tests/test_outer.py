@@ -68,7 +68,9 @@ def test_weighted_mean_matches_numpy():
 
 def test_rda_matches_numpy_and_keeps_embeddings_on_the_mean():
     deltas, w = [_tree(), _tree(), _tree()], [3.0, 1.0, 2.0]
-    merged = outer.merge(deltas, w, "rda", is_mean_only=lambda path: "embed" in path)
+    mask = outer.mean_only_mask(deltas[0], lambda name: name.startswith("embed/"))
+    assert mask == {"embed": {"embedding": True}, "w": False, "b": False}
+    merged = outer.merge(deltas, w, "rda", mask)
     for key in ("w", "b"):
         np.testing.assert_allclose(merged[key], _np_rda([d[key] for d in deltas], w), rtol=1e-5)
     mean = outer.weighted_mean(deltas, w)
@@ -142,3 +144,21 @@ def test_delayed_nesterov_with_n1_is_nesterov_and_over_n_steps_is_one_step_on_th
         m = mu * m + mean
         w = w - lr * (mean + mu * m)
     np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_back_overwrites_keeps_overlap_and_residual_and_mixes_by_alpha():
+    merged, local = np.full(3, 2.0, np.float32), np.array([1.0, 4.0, -2.0], np.float32)
+    at_push, unsent = np.array([0.5, 3.0, -2.5], np.float32), np.array([0.1, 0.0, 1.0], np.float32)
+    np.testing.assert_array_equal(outer.merge_back(merged, local), merged)
+    # keep_overlap: Θ + (θ − θ_push); keep_unsent: − residual; alpha: α·θ + (1 − α)·(...)
+    np.testing.assert_allclose(outer.merge_back(merged, local, at_push=at_push), [2.5, 3.0, 2.5])
+    np.testing.assert_allclose(outer.merge_back(merged, local, unsent=unsent), [1.9, 2.0, 1.0])
+    np.testing.assert_allclose(outer.merge_back(merged, local, alpha=0.25), [1.75, 2.5, 1.0])
+    both = outer.merge_back(merged, local, at_push, unsent, alpha=0.5)
+    np.testing.assert_allclose(both, 0.5 * local + 0.5 * np.array([2.4, 3.0, 1.5]), rtol=1e-6)
+
+
+def test_token_weight_is_tokens_squared_over_steps():
+    assert outer.token_weight(1024, 4) == 1024 * 256
+    assert outer.token_weight(512, 1) == 512 * 512
+    assert outer.token_weight(0, 0) == 0.0

@@ -8,19 +8,19 @@ import sys
 import textwrap
 
 from decoupled_diloco import runtime
-from decoupled_diloco.local import procs
+from tests.helpers import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # A child that asks to die with its parent, says its pid, then waits to be killed.
 CHILD = "from decoupled_diloco.runtime import die_with_parent; import os, time; die_with_parent(); print(os.getpid(), flush=True); time.sleep(600)"  # noqa: E501
 
-# A launcher that starts CHILD through `launch.Processes`, reports the child's pid, and waits.
+# A launcher that starts CHILD through `local.procs.Processes`, reports the child's pid, and waits.
 LAUNCHER = textwrap.dedent(f"""
     import pathlib, sys, time
-    from decoupled_diloco import launch
-    from decoupled_diloco.local.procs import wait_until
-    procs = launch.Processes(pathlib.Path(sys.argv[1]), {{}})
+    from decoupled_diloco.local.procs import Processes
+    from tests.helpers import wait_until
+    procs = Processes(pathlib.Path(sys.argv[1]), {{}})
     procs.start("child", [sys.executable, "-c", {CHILD!r}])
     log = pathlib.Path(sys.argv[1]) / "child.log"
     print(wait_until(lambda: log.exists() and log.read_text().strip(), 60, "the child"), flush=True)
@@ -53,7 +53,7 @@ def test_children_of_a_launcher_killed_with_sigkill_follow_it(tmp_path):
         assert _alive(child)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        procs.wait_until(lambda: not _alive(child), 60, "the child to follow its launcher")
+        wait_until(lambda: not _alive(child), 60, "the child to follow its launcher")
     finally:
         launcher.kill()
         launcher.wait()

@@ -24,10 +24,12 @@ import pytest
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.local.launch import GlobalEvaluator, write_config_file
-from decoupled_diloco.local.procs import free_port, wait_until
+from decoupled_diloco.config import write_config_file
+from decoupled_diloco.local.evaluator import GlobalEvaluator
+from decoupled_diloco.local.procs import free_port
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
+from tests.helpers import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 150  # per learner, in the multi-process runs
@@ -231,8 +233,8 @@ class Cluster:
             )
         return self.procs[name]
 
-    def start_syncer(self, shard=0, env=None):
-        """Starts (or restarts) syncer shard `shard` on its fixed port."""
+    def start_syncer(self, shard=0, extra=()):
+        """Starts (or restarts) syncer shard `shard` on its fixed port (`extra`: more flags)."""
         return self._start(
             f"syncer_{shard}",
             [
@@ -242,8 +244,8 @@ class Cluster:
                 f"--shard={shard}",
                 f"--port_file={self.workdir}/syncer_{shard}.port",
                 f"--checkpoint_dir={self.workdir}/checkpoints/syncer_{shard}",
+                *extra,
             ],
-            env,
         )
 
     def start_learner(self, i):
@@ -382,7 +384,7 @@ def test_syncer_killed_in_the_middle_of_a_merge_loses_no_acknowledged_version(tm
     cluster = Cluster(tmp_path, _run_config(num_learners=1, **slow))
     marker = tmp_path / "paused_in_merge"
     try:
-        cluster.start_syncer(env={"DD_DEBUG_PAUSE_IN_MERGE": f"6:{marker}"})
+        cluster.start_syncer(extra=[f"--debug_pause_in_merge=6:{marker}"])
         cluster.start_learner(0)
         seen = []
 

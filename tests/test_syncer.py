@@ -8,8 +8,8 @@ from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.core import fragments as F
+from decoupled_diloco.core.outer import token_weight
 from decoupled_diloco.syncer.server import SyncerServer
-from decoupled_diloco.syncer.state import token_weight
 from tests.conftest import tiny_config
 
 TOKEN = "test-token"

@@ -6,8 +6,8 @@ from flax import nnx
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.data import vision as vision_data
-from decoupled_diloco.island import make_island_mesh
 from decoupled_diloco.models import vit
+from decoupled_diloco.models.mesh import make_island_mesh
 from decoupled_diloco.train import train_and_evaluate
 
 

@@ -50,16 +50,17 @@ def measure(kills: int, workdir: pathlib.Path, standby: bool) -> list[tuple[str,
 
     With `standby`, each restart activates a warm spare (started and warmed up before the kill).
     """
+    from decoupled_diloco import config as config_lib
     from decoupled_diloco.learner.standby import Spares
     from decoupled_diloco.local import launch
-    from decoupled_diloco.local.procs import free_port
+    from decoupled_diloco.local.procs import Processes, free_port
 
     config = _config()
     workdir.mkdir(parents=True, exist_ok=True)
-    config_file = launch.write_config_file(config, workdir / "config.py")
+    config_file = config_lib.write_config_file(config, workdir / "config.py")
     env = launch.child_env("bench-restart-token")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
-    procs = launch.Processes(workdir / "logs", env)
+    procs = Processes(workdir / "logs", env)
     port = free_port()
     journal = workdir / "checkpoints" / "learner_0.progress"
     command = launch.learner_command(

@@ -154,7 +154,7 @@ def main() -> None:
         serve_raw(args.serve_raw)
         return
     from decoupled_diloco import config as c
-    from decoupled_diloco.local.launch import write_config_file
+    from decoupled_diloco.config import write_config_file
 
     config = c.replace(
         c.ExperimentConfig(mode="decoupled", num_learners=2, inner_steps=8),

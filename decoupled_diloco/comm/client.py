@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import random
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -15,12 +13,11 @@ import numpy as np
 from decoupled_diloco.comm import faulty_link, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
+from decoupled_diloco.comm.retry import Backoff, retry
 from decoupled_diloco.config import SyncerConfig
 from decoupled_diloco.core.fragments import TensorSpec
 
 T = TypeVar("T")
-# Worth retrying: the syncer may be restarting or busy. Everything else is a real refusal.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class SyncerClient:
@@ -61,18 +58,12 @@ class SyncerClient:
         self.channel.close()
 
     def _call(self, fn: Callable[[], T], retries: int | None = None) -> T:
+        """`fn()` with up to `retries` (default `config.retries`) retries (`comm.retry`)."""
         retries = self.config.retries if retries is None else retries
-        delay = 0.1
-        for attempt in range(retries + 1):
-            try:
-                return fn()
-            except grpc.RpcError as error:
-                if error.code() not in RETRYABLE or attempt == retries:
-                    raise
-                self.retries_done += 1
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
+        return retry(fn, attempts=retries + 1, backoff=Backoff(first_s=0.1), on_retry=self._retried)
+
+    def _retried(self) -> None:
+        self.retries_done += 1
 
     def wait_ready(self, timeout_s: float) -> None:
         """Blocks until the channel connects (the syncer may still be starting)."""
@@ -147,11 +138,13 @@ class SyncerClient:
         specs: Sequence[TensorSpec],
         arrays: Sequence[np.ndarray],
         tensors: Sequence[pb.TensorHeader] | None = None,
+        retries: int | None = None,
     ) -> pb.PushReply:
         """Streams one fragment's outer gradient; retried safely (idempotent per round).
 
         Without `tensors`, `arrays` are the raw tensors; with them (`wire.headers` of a codec),
-        `arrays` are the encoded sections in wire order (`wire.encoded_arrays`).
+        `arrays` are the encoded sections in wire order (`wire.encoded_arrays`). `retries`:
+        as for every call (a caller with its own retry loop passes 0).
         """
         header = pb.PushHeader(
             learner_id=learner_id,
@@ -169,7 +162,8 @@ class SyncerClient:
             return self._call(
                 lambda: self._push(
                     stream(), timeout=self.config.rpc_timeout_s, metadata=self.metadata
-                )
+                ),
+                retries,
             )
         finally:
             self._local.last = sent[0]
@@ -181,12 +175,13 @@ class SyncerClient:
         min_version: int,
         wait_s: float,
         have: tuple[int, Sequence[np.ndarray]] | None = None,
+        retries: int | None = None,
     ) -> tuple[int, list[np.ndarray]]:
         """The fragment once its version reaches `min_version`; (-1, []) if not within `wait_s`.
 
         `have` = (version, values) of the copy this learner holds: with a compressed downlink
         the syncer may send the difference from it, which is added here. Either way the
-        result is the full fragment.
+        result is the full fragment. `retries`: as for `push`.
         """
         request = pb.PullRequest(
             learner_id=learner_id,
@@ -246,6 +241,6 @@ class SyncerClient:
 
         self._local.bytes = 0
         try:
-            return self._call(call)
+            return self._call(call, retries)
         finally:
             self._local.last = self._local.bytes

@@ -1,5 +1,11 @@
 """Outer math on parameter pytrees, shared by every mode: outer gradients, merges, outer step.
 
+One outer gradient's path through these functions, in every mode:
+  learner: `outer_gradient` (Δ = anchor − θ after H inner steps; encoded by `compression`)
+  merge:   `outer_round` = `merge` (token weights from `token_weight`, RDA or mean per tensor)
+           + `outer_step` (Nesterov); the `diloco` trainer and the syncer call the same one
+  back:    `merge_back` puts the merged global values into a learner's live parameters.
+
 Sign convention (DiLoCo): the outer gradient is `anchor - local`, so an outer SGD step with
 learning rate 1 and no momentum moves the global parameters onto the merged local ones.
 
@@ -16,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from decoupled_diloco.core.fragments import path_name
+
 PyTree = Any
 
 # Below this norm an outer gradient is treated as zero: it has no direction to average.
@@ -23,8 +31,30 @@ _TINY_NORM = 1e-30
 
 
 def outer_gradient(anchor: PyTree, local: PyTree) -> PyTree:
-    """Returns Δ = anchor − local, leaf by leaf."""
+    """Returns Δ = anchor − local, leaf by leaf (numpy in, numpy out; jax in, jax out)."""
     return jax.tree.map(lambda a, x: a - x, anchor, local)
+
+
+def token_weight(tokens: int, steps: int) -> float:
+    """Token weight w = tokens · (tokens / steps) of one outer gradient: quantity times quality.
+
+    Decoupled DiLoCo, Sec. 3.2: a learner that trained more tokens counts more, and one that
+    did so in fewer steps (larger batches) more again.
+    """
+    return float(tokens) * float(tokens) / max(float(steps), 1.0)
+
+
+def mean_only_mask(tree: PyTree, is_mean_only: Callable[[str], bool]) -> PyTree:
+    """A pytree of bools, like `tree`: which tensors `merge` averages by the plain mean.
+
+    Args:
+      tree: parameters (or their shapes); dict keys name the tensors.
+      is_mean_only: a predicate on a tensor's `/`-joined path (`fragments.path_name`), e.g. the
+        task's choice of embedding tables.
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: bool(is_mean_only(path_name(path))), tree
+    )
 
 
 def _normalized(weights: Sequence[float] | jax.Array) -> jax.Array:
@@ -74,7 +104,7 @@ def merge(
     deltas: Sequence[PyTree],
     weights: Sequence[float] | jax.Array,
     method: str,
-    is_mean_only: Callable[[tuple[str, ...]], bool] | None = None,
+    mean_only: PyTree | None = None,
 ) -> PyTree:
     """Merges M outer gradients into one.
 
@@ -82,8 +112,8 @@ def merge(
       deltas: M pytrees of identical structure.
       weights: M non-negative weights (not necessarily normalised).
       method: `mean` (weighted mean) or `rda` (radial-directional averaging).
-      is_mean_only: with `rda`, a predicate on a leaf's key path (tuple of names) selecting the
-        tensors merged by the weighted mean instead (embeddings, in Decoupled DiLoCo).
+      mean_only: with `rda`, a pytree of bools like each delta (`mean_only_mask`): the tensors
+        merged by the weighted mean instead (embeddings, in Decoupled DiLoCo). None: none.
 
     Returns:
       The merged outer gradient, same structure as each delta.
@@ -97,15 +127,73 @@ def merge(
     if method != "rda":
         raise ValueError(f"unknown merge method {method!r}; expected 'mean' or 'rda'")
     w_M = _normalized(weights)
+    if mean_only is None:
+        mean_only = jax.tree.map(lambda _: False, deltas[0])
 
-    def leaf(path: tuple, *xs: jax.Array) -> jax.Array:
-        names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-        stacked = jnp.stack(xs)
-        if is_mean_only is not None and is_mean_only(names):
-            return _mean_leaf(stacked, w_M)
-        return _rda_leaf(stacked, w_M)
+    def leaf(plain: bool, *xs: jax.Array) -> jax.Array:
+        return (_mean_leaf if plain else _rda_leaf)(jnp.stack(xs), w_M)
 
-    return jax.tree.map_with_path(leaf, *deltas)
+    return jax.tree.map(leaf, mean_only, *deltas)
+
+
+def outer_round(
+    tx: optax.GradientTransformation,
+    method: str,
+    mean_only: PyTree | None,
+    global_params: PyTree,
+    outer_state: optax.OptState,
+    deltas: Sequence[PyTree],
+    weights: Sequence[float] | jax.Array,
+    scale: float | jax.Array = 1.0,
+) -> tuple[PyTree, optax.OptState]:
+    """One outer round: merge M outer gradients, scale the result, take the outer step.
+
+    The synchronous `diloco` trainer and the syncer (per fragment) both call this, so the
+    merge rules are the same in every mode. Jit it with the first three arguments bound.
+
+    Args:
+      tx: the outer optimizer (`make_outer_optimizer`).
+      method: `mean` or `rda` (see `merge`).
+      mean_only: which tensors `rda` merges by the plain mean (`mean_only_mask`), or None.
+      global_params: the global parameters Θ the outer gradients are anchored at.
+      outer_state: `tx`'s state.
+      deltas: M outer gradients Δ_m = Θ − θ_m (`outer_gradient`).
+      weights: their weights (`token_weight`); zero-weight entries leave the merge unchanged.
+      scale: multiplies the merged outer gradient (the syncer's `partial_merge="share"`: the
+        merge's share of the learners), else 1.
+
+    Returns:
+      The new global parameters and outer optimizer state.
+    """
+    merged = merge(deltas, weights, method, mean_only)
+    merged = jax.tree.map(lambda x: x * scale, merged)
+    return outer_step(tx, global_params, outer_state, merged)
+
+
+def merge_back(
+    merged: jax.Array,
+    local: jax.Array,
+    at_push: jax.Array | None = None,
+    unsent: jax.Array | None = None,
+    alpha: float = 0.0,
+) -> jax.Array:
+    """A learner's new value of one tensor once the merged global value of its fragment arrives.
+
+    Args:
+      merged: the merged global value Θ (on the learner's devices).
+      local: the learner's live value θ.
+      at_push: with `keep_overlap`, θ when the push this merge answers left: the local
+        progress since then, θ − θ_push, is kept on top of Θ.
+      unsent: with `keep_unsent`, the error-feedback residual in outer-gradient units
+        (anchor − θ) that compression held back: Θ − residual keeps it in the parameters.
+      alpha: 0 overwrites; else α·θ + (1 − α)·Θ' (Θ' after the two terms above).
+    """
+    value = merged
+    if at_push is not None:
+        value = value + (local - at_push)
+    if unsent is not None:
+        value = value - unsent
+    return value if alpha == 0 else alpha * local + (1 - alpha) * value
 
 
 class DelayedNesterovState(NamedTuple):

@@ -20,30 +20,26 @@ from absl import app, flags
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import runtime
+from decoupled_diloco.chaos import faults as chaos
 from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.obs.timeline import Timeline
 from decoupled_diloco.runtime import die_with_parent
-
-
-def mesh_shape_for(
-    config: config_lib.ExperimentConfig, learner_id: int, override: str
-) -> tuple[int, int]:
-    """This learner's mesh: the `--mesh_shape` flag, else the config."""
-    if override:
-        parts = override.lower().split("x")
-        if len(parts) != 2 or not all(x.isdigit() and int(x) >= 1 for x in parts):
-            raise ValueError(f"--mesh_shape: {override!r} is not DATAxMODEL (e.g. 2x1)")
-        return int(parts[0]), int(parts[1])
-    return config_lib.parse_mesh_shapes(config)[learner_id]
 
 
 def main(argv: list[str], warm: Any = None) -> None:
     """Parses flags, runs the learner, writes its summary (`warm`: a `standby.Warm`)."""
     values = flags.FLAGS
     config = config_lib.from_config_dict(values.config)
-    shape = mesh_shape_for(config, values.learner_id, values.mesh_shape)
+    shape = config_lib.mesh_shape_for(config, values.learner_id, values.mesh_shape)
     slowdown = values.slowdown or (
         config.slowdown if config.slow_learner == values.learner_id else 1.0
     )
+    # Set by the local launcher (or a chaos supervisor): where states are recorded, and the
+    # live fault controls. A multi-process island's leader records for the island.
+    leader = values.num_processes == 1 or values.process_id == 0
+    name = f"learner_{values.learner_id}"
+    timeline = Timeline.from_env(name, [values.learner_id]) if leader else None
+    controls = chaos.Controls.from_env(values.learner_id)
     if values.num_processes > 1:  # One island over several processes (hosts): see multihost.
         from decoupled_diloco.learner import multihost
 
@@ -57,6 +53,8 @@ def main(argv: list[str], warm: Any = None) -> None:
             mesh_shape=shape,
             slowdown=slowdown,
             workdir=values.workdir or None,
+            timeline=timeline,
+            controls=controls,
         )
     else:
         learner = Learner(
@@ -67,11 +65,13 @@ def main(argv: list[str], warm: Any = None) -> None:
             slowdown=slowdown,
             workdir=values.workdir or None,
             island=warm.island if warm else None,
+            timeline=timeline,
+            controls=controls,
         )
         learner.startup.update(warm.startup if warm else {})
     learner.connect()
     learner.startup["connected"] = time.time()
-    print(f"[learner {learner.id}] joined at versions {learner.versions}", flush=True)
+    print(f"[learner {learner.id}] joined at versions {learner.sync.versions}", flush=True)
     summary = learner.run()
     if values.summary:  # whole or not at all: a restart may be killed mid-write
         path = pathlib.Path(values.summary)
@@ -99,7 +99,7 @@ def start() -> None:
         if not flags.FLAGS["verbosity"].present:  # Orbax logs every checkpoint at INFO
             logging.set_verbosity(logging.WARNING)
         config = config_lib.from_config_dict(flags.FLAGS.config)
-        shape = mesh_shape_for(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
+        shape = config_lib.mesh_shape_for(config, flags.FLAGS.learner_id, flags.FLAGS.mesh_shape)
         from decoupled_diloco.learner.multihost import local_device_count
 
         configure_cpu_devices(local_device_count(shape[0] * shape[1], flags.FLAGS.num_processes))

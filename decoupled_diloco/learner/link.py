@@ -1,50 +1,121 @@
-"""A learner's background link to the syncer: registration, each fragment's push and pull.
+"""The learner's side of the syncer protocol as one object: `DecoupledSync`.
 
-`Learner` runs the step loop; when fragment p is due it hands Δ = anchor_p − θ_p (or its encoded
-sections) to `SyncerLink._sync` on a worker thread, which pushes it (retrying through an outage,
-see `learner_recovery.Outbox`), waits for the merge that holds the push, and leaves the merged
-values in the inbox as an `Inbound` for the step boundary where the loop applies them.
+A training loop (the built-in `Learner`, or a user's own) owns one and calls four things:
+
+    sync.connect()                              # register; take the global fragments
+    params = sync.join(params)                  # start from them (heartbeats start)
+    for each step:
+        params = sync.apply_arrivals(params)    # merged fragments whose time has come
+        params, loss = train_step(params, batch)
+        sync.step_done(params, tokens, loss)    # count it; push the fragments now due
+    sync.flush(params); sync.close()            # push what is left; wait; leave
+
+One fragment's round trip: when fragment p is due (staggered schedule, `core.fragments`),
+`step_done` copies its tensors to the host (or encodes Δ on the mesh, `core.compression`) and a
+worker thread computes Δ = anchor_p − θ_p (`core.outer.outer_gradient`), pushes it (retried
+through outages, `outbox.Outbox`), waits for the merge that holds it and leaves the merged values
+in the inbox. `apply_arrivals` merges them into the live parameters (`core.outer.merge_back`) at
+the first step boundary at least τ (`overlap_steps`) steps after the push (or on arrival,
+`apply_on_arrival`); they become the new anchor. The loop never waits for the syncer.
+
+What arrives is host numpy; it is put onto the learner's own mesh, so learners with different
+mesh shapes share one syncer. A multi-process island (`multihost`) replaces the device<->host
+hooks (`_to_host`, `_place`, `_take_ready`) by collectives.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from decoupled_diloco.comm import wire
+from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.learner import recovery
+from decoupled_diloco.core import outer
+from decoupled_diloco.learner.encoder import MeshEncoder
+from decoupled_diloco.learner.outbox import Outbox
+from decoupled_diloco.learner.recovery import reschedule
+from decoupled_diloco.learner.round_trip import Inbound, Outgoing, round_trip
+
+Params = Any
+_STEP_WINDOW = 10  # steps per measurement of the step time
 
 
-@dataclasses.dataclass
-class Encoded:
-    """A fragment's encoded outer gradient: section arrays in wire order."""
+class DecoupledSync:
+    """A learner's link to the syncer (see the module doc for the calls a loop makes).
 
-    arrays: list[np.ndarray]
-
-
-@dataclasses.dataclass
-class Inbound:
-    """A merged fragment waiting for its step boundary."""
-
-    version: int
-    values: list[np.ndarray]
-    apply_after_step: int
-    pushed_at: int = -1  # the step of the push this merge answers (-1: unknown)
-
-
-class SyncerLink:
-    """The syncer calls of a `Learner` (a mixin: `Learner.__init__` sets the state they share).
-
-    Uses: `config`, `id`, `cut`, `specs`, `codec`, `client` (`comm.shards.syncer_client`),
-    `outbox`, `stop`, per-fragment `anchor`, `versions` and `rounds`, the inbox (`inbox`,
-    `inbox_lock`) that the step loop drains, and the counters a heartbeat reports; records
-    `pushes`, `round_log` and `errors`.
+    Args:
+      config: the experiment (`decoupled`, `compression` and `syncer` settings).
+      learner_id: this learner's identity at the syncer (and its data shard).
+      client: a `comm.shards.syncer_client` (one client per syncer shard).
+      abstract_params: the parameter tree's shapes and dtypes.
+      shardings: the parameters' shardings on this learner's mesh (same tree).
+      mesh_name: reported at registration, e.g. "2x1".
+      on_state: called with "waiting" while `connect` waits (a timeline's `enter`).
     """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        learner_id: int,
+        client: Any,
+        abstract_params: Params,
+        shardings: Params,
+        mesh_name: str = "",
+        on_state: Callable[[str], None] | None = None,
+    ):
+        self.config, self.id, self.client, self.mesh_name = config, learner_id, client, mesh_name
+        self.on_state = on_state
+        d = config.decoupled
+        self.specs = F.tensor_specs(abstract_params)
+        self.cut = F.partition(self.specs, d.fragments)
+        self.treedef = jax.tree.structure(abstract_params)
+        self.shardings = self.treedef.flatten_up_to(shardings)
+        num = len(self.cut)
+        self.outbox = Outbox(num, d.syncer.max_unsent, f"learner {learner_id}")
+        self.anchor: list[list[np.ndarray]] = [[] for _ in range(num)]
+        self.versions = [0] * num
+        self.steps_since = [0] * num
+        self.tokens_since = [0] * num
+        self.rounds = [0] * num
+        # Staggered schedule as "next due step" per fragment: o_p first, then every H steps
+        # (or this learner's dynamic H, see `local_h`).
+        self.next_due = reschedule(0, num, config.inner_steps)
+        self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
+        # keep_overlap: per fragment, a device copy of θ at its last push.
+        self.at_push: dict[int, list[jax.Array]] = {}
+        self.inbox: dict[int, Inbound] = {}
+        self.inbox_lock = threading.Lock()
+        # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
+        self.pool = futures.ThreadPoolExecutor(max_workers=num * (d.syncer.max_unsent + 1) + 1)
+        self.jobs: list[futures.Future] = []
+        self.stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        # Progress, as heartbeats report it.
+        self.step = self.tokens = 0
+        self.loss: Any = float("nan")
+        self.eval_loss = float("nan")  # learners do not evaluate; the launcher evaluates Θ
+        self.step_time_s = self.fastest_step_s = 0.0
+        self._window: tuple[int, float] | None = None  # (step, time) the step window began
+        self.blocked_s = self.sync_host_s = self.compress_s = 0.0
+        self.errors: list[str] = []
+        self.retries = 0  # this link's own retries of pushes and pulls (the client adds its)
+        self.pushes = {"accepted": 0, "late": 0, "duplicate": 0}
+        self.round_log: list[dict[str, int]] = []  # bytes per push round (summary, metrics)
+        # Per applied merge: the push it answers and the step it was applied after (the lag is
+        # how many steps trained away from the merged value).
+        self.applied: list[dict[str, int]] = []
+        # Outer-gradient compression on this mesh, with its error-feedback residual.
+        self.encoder = MeshEncoder(config, self.cut, abstract_params, shardings)
+
+    # Joining ---------------------------------------------------------------------------------
 
     def connect(self, timeout_s: float = 120.0, peers_s: float = 60.0) -> None:
         """Waits for the syncer, registers, and takes the current global fragments.
@@ -56,7 +127,8 @@ class SyncerLink:
         """
         self.client.wait_ready(timeout_s)
         reply = self.client.register(self.id, F.fingerprint(self.specs), self.mesh_name)
-        self._mark("waiting")  # for peers (fresh run), then the global fragments
+        if self.on_state is not None:
+            self.on_state("waiting")  # for peers (fresh run), then the global fragments
         deadline = time.monotonic() + peers_s
         while not any(reply.versions) and time.monotonic() < deadline:
             if len(self.client.status()["learners"]) >= self.config.num_learners:
@@ -68,88 +140,298 @@ class SyncerLink:
             )
             self.anchor[p], self.versions[p] = values, version
 
-    def _sync(
-        self,
-        p: int,
-        rnd: int,
-        base: int,
-        anchor: list,
-        local: list,
-        steps: int,
-        tokens: int,
-        final: bool,
-        pushed_at: int,
-        ticket: recovery.Unsent | None = None,
-    ) -> None:
-        """Background: push Δ = anchor − θ for fragment p, then wait for the merged fragment.
+    def join(self, params: Params, step: int = 0, tokens: int = 0) -> Params:
+        """The global values in place of `params`; starts heartbeats. Call after `connect`.
+
+        Args:
+          params: this learner's parameters (fresh, or restored from a checkpoint).
+          step: the steps restored with them (0 for a fresh start): the schedule resumes
+            from there; per-fragment counters start afresh (a new incarnation).
+          tokens: the tokens restored with them.
+        """
+        self.step, self.tokens = step, tokens
+        self.next_due = reschedule(step, len(self.cut), self.config.inner_steps)
+        leaves = self.treedef.flatten_up_to(params)
+        for p, frag in enumerate(self.cut):
+            for spec, value in zip(frag, self.anchor[p], strict=True):
+                leaves[spec.index] = self._place(value, self.shardings[spec.index])
+        params = jax.tree.unflatten(self.treedef, leaves)
+        if self.encoder.enabled:  # compile every fragment's encoder now, not in the step loop
+            self.encoder.warm_up(self.anchor, leaves)
+        self._beat = threading.Thread(target=self._heartbeats, daemon=True)
+        self._beat.start()
+        return params
+
+    # Schedule --------------------------------------------------------------------------------
+
+    def due(self, step: int) -> list[int]:
+        """The fragments due after `step`; schedules each one's next push."""
+        due = [p for p, at in enumerate(self.next_due) if step >= at]
+        for p in due:
+            self.next_due[p] = step + self.local_h()
+        return due
+
+    def local_h(self) -> int:
+        """Inner steps until a pushed fragment is due again.
+
+        H, or with dynamic local updates ⌊H · t_fastest / t_own⌋ (at least 1): a learner k times
+        slower than the fastest syncs every H/k of its steps, i.e. as often in wall time.
+        """
+        H = self.config.inner_steps
+        if not self.config.decoupled.dynamic_local_updates:
+            return H
+        if self.fastest_step_s <= 0 or self.step_time_s <= 0:
+            return H
+        return max(1, int(H * min(self.fastest_step_s / self.step_time_s, 1.0)))
+
+    # The step loop's calls ---------------------------------------------------------------------
+
+    def apply_arrivals(self, params: Params) -> Params:
+        """Merges every fragment whose overlap has passed into `params` (see `merge_back`)."""
+        t0 = time.perf_counter()
+        ready = self._take_ready()
+        self.blocked_s += time.perf_counter() - t0
+        if not ready:
+            return params
+        leaves = self.treedef.flatten_up_to(params)
+        # As in `_launch`: the dispatched steps that produce these values finish outside the
+        # timer (with one device the loop may run a whole round ahead of the compute).
+        jax.block_until_ready([leaves[s.index] for p in ready for s in self.cut[p]])
+        t0 = time.perf_counter()
+        d = self.config.decoupled
+        # keep_unsent: the residual moves into the parameters when the merge answering the
+        # push that left it arrives (the next push then must not add it again).
+        residual = None
+        if self.config.compression.keep_unsent:
+            residual = self.encoder.residual_leaves()
+        for p, inbound in ready.items():
+            # A merge answering an older push than the last one is overwritten as is: the
+            # overlap and the residual it would keep belong to the newer push.
+            latest = inbound.pushed_at == self.last_push[p]
+            at_push = self.at_push.pop(p, None) if d.keep_overlap else None
+            unsent = residual is not None and latest
+            for j, (spec, value) in enumerate(zip(self.cut[p], inbound.values, strict=True)):
+                leaves[spec.index] = outer.merge_back(
+                    self._place(value, self.shardings[spec.index]),
+                    leaves[spec.index],
+                    at_push=at_push[j] if at_push is not None and latest else None,
+                    unsent=residual[spec.index] if unsent else None,
+                    alpha=d.alpha,
+                )
+            self.encoder.in_params[p] = unsent
+            self.anchor[p], self.versions[p] = inbound.values, inbound.version
+            self.applied.append(
+                {
+                    "fragment": p,
+                    "version": inbound.version,
+                    "pushed_at": inbound.pushed_at,
+                    "applied_at": self.step,
+                }
+            )
+        self.sync_host_s += time.perf_counter() - t0
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def step_done(self, params: Params, tokens: int, loss: Any = None) -> None:
+        """Counts one finished inner step of `tokens` tokens; pushes the fragments now due.
+
+        Args:
+          params: the parameters after the step (device arrays; not modified).
+          tokens: tokens the step trained on (all of this learner's devices together).
+          loss: the step's loss (a device scalar is fine: read only by heartbeats).
+        """
+        self.step += 1
+        self.tokens += tokens
+        if loss is not None:
+            self.loss = loss
+        for p in range(len(self.cut)):
+            self.steps_since[p] += 1
+            self.tokens_since[p] += tokens
+        # Wall time per step over a window (single steps are dispatched asynchronously and
+        # time nothing); the syncer's grace window and DyLU use it.
+        now = time.perf_counter()
+        if self._window is None:
+            self._window = (self.step, now)
+        elif self.step - self._window[0] >= _STEP_WINDOW:
+            self.step_time_s = (now - self._window[1]) / (self.step - self._window[0])
+            self._window = (self.step, now)
+        for p in self.due(self.step):
+            self._launch(params, p)
+
+    def arrived(self) -> dict[int, int]:
+        """Merged fragments that have arrived and wait for their step: fragment -> version."""
+        with self.inbox_lock:
+            return {p: x.version for p, x in self.inbox.items()}
+
+    def flush(self, params: Params) -> float:
+        """Pushes the steps since each fragment's last push; waits for them (bounded).
+
+        Returns:
+          Seconds spent waiting. Pushes still undelivered after 2 × `rpc_timeout_s` are
+          given up (`pushes_unsent` in the summary).
+        """
+        for p in range(len(self.cut)):
+            if self.steps_since[p]:
+                self._launch(params, p, final=True)
+        t0 = time.perf_counter()
+        futures.wait(self.jobs, timeout=2 * self.config.decoupled.syncer.rpc_timeout_s)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stops the background work, tells the syncer this learner is done, closes the client."""
+        self.stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._heartbeat("done")
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    # Checkpoints -----------------------------------------------------------------------------
+
+    def checkpoint_items(self) -> dict[str, Any]:
+        """This link's state pytrees for an Orbax checkpoint, by name (the EF residual)."""
+        residual = self.encoder.residual
+        return {} if residual is None else {"ef_residual": residual}
+
+    def restore_items(self, items: dict[str, Any]) -> None:
+        """Takes back what `checkpoint_items` saved."""
+        if "ef_residual" in items:
+            self.encoder.residual = items["ef_residual"]
+
+    def summary(self) -> dict[str, Any]:
+        """This link's counters for the learner's summary."""
+        return {
+            "versions": self.versions,
+            "pushes": self.pushes,
+            "pushes_folded": self.outbox.folded,
+            "pushes_dropped": self.outbox.dropped,
+            "pushes_unsent": self.outbox.unsent(),
+            "retries": self.client.retries_done + self.retries,
+            "errors": self.errors,
+            # Traffic of the data calls, headers included (the initial pulls too).
+            "bytes_sent": self.client.bytes_sent,
+            "bytes_received": self.client.bytes_received,
+            "compression": self.encoder.codec.scheme,
+            "rounds": self.round_log,
+            "applied": self.applied,
+        }
+
+    # Device <-> host (a multi-process island replaces these by collectives) ------------------
+
+    def _take_ready(self) -> dict[int, Inbound]:
+        """Removes and returns the merged fragments whose overlap has passed."""
+        with self.inbox_lock:
+            ready = {p: x for p, x in self.inbox.items() if self.step >= x.apply_after_step}
+            for p in ready:
+                del self.inbox[p]
+        return ready
+
+    def _to_host(self, leaves: list[jax.Array]) -> list[np.ndarray]:
+        """Host copies of device arrays."""
+        return [np.asarray(x) for x in jax.device_get(leaves)]
+
+    def _place(self, value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+        """A host value onto this learner's devices."""
+        return jax.device_put(value, sharding)
+
+    # One push --------------------------------------------------------------------------------
+
+    def _launch(self, params: Params, p: int, final: bool = False) -> None:
+        """Hands fragment p's push to a worker thread (its host copy or encoding made here)."""
+        leaves = F.gather(self.treedef.flatten_up_to(params), self.cut[p])
+        # Steps run ahead asynchronously: wait for them outside the timer, so that it measures
+        # the copy itself and not the compute it would otherwise absorb.
+        jax.block_until_ready(leaves)
+        t0 = time.perf_counter()
+        if not final:
+            self.last_push[p] = self.step
+        if self.config.decoupled.keep_overlap and not final:
+            # A device copy: the next step donates these buffers.
+            self.at_push[p] = [jnp.copy(x) for x in leaves]
+        if self.encoder.enabled:
+            local = self.encoder.encode(p, self.anchor[p], leaves)
+            self.compress_s += time.perf_counter() - t0
+        else:
+            # A host copy now: the next step donates (invalidates) these device buffers.
+            local = self._to_host(leaves)
+        self.sync_host_s += time.perf_counter() - t0
+        # Undelivered older pushes of p may be folded into this one (`Outbox`).
+        ticket = self.outbox.add(
+            p, self.versions[p], self.steps_since[p], self.tokens_since[p], not self.encoder.enabled
+        )
+        job = Outgoing(
+            p, self.rounds[p], self.versions[p], self.anchor[p], local,
+            ticket.steps, ticket.tokens, final, self.step, ticket,
+        )  # fmt: skip
+        # The round moves on before the job starts: `_sync` checks it to know whether a newer
+        # push of p has taken over the wait for a merge.
+        self.rounds[p] += 1
+        self.jobs = [j for j in self.jobs if not j.done()] + [self.pool.submit(self._sync, job)]
+        self.steps_since[p] = self.tokens_since[p] = 0
+
+    def _retried(self) -> None:
+        self.retries += 1
+
+    def _sync(self, job: Outgoing) -> None:
+        """Background: one fragment's round trip (`round_trip`); its merge goes to the inbox.
 
         The merged fragment is due at the step boundary after step `pushed_at` + τ, or at the
-        first boundary after it arrives if it comes later. While the syncer is unreachable,
-        the push and the pull are retried with backoff (`ticket`: see `recovery.Outbox`).
+        first boundary after it arrives if it comes later.
         """
+        p = job.fragment
         try:
-            if isinstance(local, Encoded):  # compressed on the mesh by `_launch`
-                arrays, tensors = local.arrays, wire.headers(self.cut[p], self.codec)
-            else:
-                arrays, tensors = [a - x for a, x in zip(anchor, local, strict=True)], None
-            send = functools.partial(
-                self.client.push,
-                learner_id=self.id,
-                fragment=p,
-                round=rnd,
-                base_version=base,
-                steps=steps,
-                tokens=tokens,
-                specs=self.cut[p],
-                arrays=arrays,
-                tensors=tensors,
+            trip = round_trip(
+                self.client,
+                self.id,
+                job,
+                self.cut[p],
+                self.encoder.codec,
+                self.stop,
+                # A newer push of p takes over the wait for a merge (one waiting pull each).
+                still_current=lambda: self.rounds[p] == job.round + 1,
+                wait_s=min(self.config.decoupled.syncer.rpc_timeout_s, 5.0),
+                outbox=self.outbox,
+                on_retry=self._retried,
             )
-            reply = self.outbox.deliver(ticket, send, self.stop) if ticket else send()
-            if reply is None:  # folded into a newer push, dropped, or the learner is stopping
-                return
-            sent, received = self.client.last_bytes(), 0
-            self.pushes[
-                "duplicate" if reply.duplicate else "accepted" if reply.accepted else "late"
-            ] += 1
-            if final:
-                return
-            # Short waits, so that a learner shutting down is never held by a pending pull.
-            wait_s = min(self.config.decoupled.syncer.rpc_timeout_s, 5.0)
-            # An accepted push waits in the fragment's open round, which the next merge closes:
-            # wait for that merge (it holds this push), not for any version newer than `base`
-            # (a merge of other learners' pushes that closed while this one was on its way).
-            want = max(base, reply.version) + 1 if reply.accepted else base + 1
-            version = -1
-            # A newer push of p takes over the wait (one waiting pull per fragment): that merge
-            # may be long in coming (this push folded into a newer one, or lost with a
-            # restarted syncer's unsaved state), and the newer pull brings what is there.
-            while version < 0 and not self.stop.is_set() and self.rounds[p] == rnd + 1:
-                # `have`: with a compressed downlink the syncer sends the difference from it.
-                pull = functools.partial(
-                    self.client.pull, self.id, p, want, wait_s, have=(base, anchor)
-                )
-                pulled = recovery.retrying(pull, self.stop)  # the syncer may be restarting
-                if pulled is None:
-                    break
-                version, values = pulled
-                received += self.client.last_bytes()
-            self.round_log.append(
-                {"fragment": p, "round": rnd, "step": pushed_at, "sent": sent, "received": received}
-            )
-            if version >= 0:
-                with self.inbox_lock:
-                    held = self.inbox.get(p)
-                    # The same version may answer two pushes (the newer one superseded the
-                    # older in the syncer's open round): it answers the newer one.
-                    if held is None or (held.version, held.pushed_at) < (version, pushed_at):
-                        d = self.config.decoupled
-                        after = pushed_at + (0 if d.apply_on_arrival else d.overlap_steps)
-                        self.inbox[p] = Inbound(version, values, after, pushed_at)
         except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
             if self.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
                 return
-            self.errors.append(f"fragment {p} round {rnd}: {type(error).__name__}: {error}")
+            self.errors.append(f"fragment {p} round {job.round}: {type(error).__name__}: {error}")
             print(f"[learner {self.id}] sync error: {self.errors[-1]}", file=sys.stderr, flush=True)
+            return
+        if trip is None:  # folded into a newer push, dropped, or the learner is stopping
+            return
+        self.pushes[trip.outcome] += 1
+        if job.final:
+            return
+        self.round_log.append(
+            {
+                "fragment": p,
+                "round": job.round,
+                "step": job.pushed_at,
+                "sent": trip.sent,
+                "received": trip.received,
+            }
+        )
+        if trip.version >= 0:
+            due = self._due_at(job.pushed_at)
+            self._arrived(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+
+    def _due_at(self, pushed_at: int) -> int:
+        """The step after which a merge answering a push made after `pushed_at` is applied."""
+        d = self.config.decoupled
+        return pushed_at + (0 if d.apply_on_arrival else d.overlap_steps)
+
+    def _arrived(self, p: int, inbound: Inbound) -> None:
+        """Leaves a merged fragment in the inbox (unless a newer one for p is already there)."""
+        with self.inbox_lock:
+            held = self.inbox.get(p)
+            # The same version may answer two pushes (the newer one superseded the older in
+            # the syncer's open round): it answers the newer one.
+            newer = (inbound.version, inbound.pushed_at)
+            if held is None or (held.version, held.pushed_at) < newer:
+                self.inbox[p] = inbound
+
+    # Heartbeats ------------------------------------------------------------------------------
 
     def _heartbeats(self) -> None:
         while not self.stop.wait(self.config.decoupled.syncer.heartbeat_s):

@@ -34,7 +34,6 @@ single-process learner: it registers again and takes the current global fragment
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import pathlib
 import zlib
 from collections.abc import Sequence
@@ -45,8 +44,7 @@ import numpy as np
 
 from decoupled_diloco.config import ConfigError, ExperimentConfig
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.island import InnerState
-from decoupled_diloco.learner.link import Inbound
+from decoupled_diloco.learner.link import DecoupledSync, Inbound, Outgoing
 from decoupled_diloco.learner.loop import Learner
 
 # Seconds without a heartbeat before the coordination service declares a process dead and
@@ -146,78 +144,27 @@ def broadcast(tree: Any) -> Any:
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-class MultihostLearner(Learner):
-    """A learner whose island spans every process of this JAX runtime.
+class MultihostSync(DecoupledSync):
+    """A `DecoupledSync` whose device<->host moves are collectives; only the leader talks.
 
     Args:
-      config: the experiment; `dynamic_local_updates` must be off.
-      learner_id: this island's index at the syncer.
-      address: HOST:PORT of the syncer (used by the leader only).
       group: this process's place in the island.
-      mesh_shape: (`data`, `model`) over all the island's devices (`jax.device_count()`).
-      slowdown, token: as for `Learner`.
-      workdir: as for `Learner`; with checkpoints on, every process of the island must see the
-        same directory (shared storage across hosts): Orbax writes the checkpoint collectively.
-
-    Raises:
-      ConfigError: dynamic local updates are on (the step schedule would diverge).
+      *args, **kwargs: as for `DecoupledSync`.
     """
 
-    def __init__(
-        self,
-        config: ExperimentConfig,
-        learner_id: int,
-        address: str,
-        group: ProcessGroup,
-        mesh_shape: tuple[int, int] | None = None,
-        slowdown: float = 1.0,
-        token: str = "",
-        workdir: str | pathlib.Path | None = None,
-    ):
-        if config.decoupled.dynamic_local_updates:
-            raise ConfigError(
-                "decoupled.dynamic_local_updates is not supported on multi-process islands: "
-                "only the leader hears the fastest learner's step time"
-            )
-        if group.num_processes != jax.process_count():
-            raise ValueError(
-                f"--num_processes={group.num_processes} but this JAX runtime has "
-                f"{jax.process_count()} processes (call multihost.initialize first)"
-            )
+    def __init__(self, group: ProcessGroup, *args: Any, **kwargs: Any):
         self.group = group
         # (step, fragment, version, digest of this process's shards) after each merge: equal
         # across the processes of an island whose processes differ only along the data axis.
         self.merge_digests: list[list[Any]] = []
         self._merged_now: list[int] = []
-        super().__init__(
-            config,
-            learner_id,
-            address,
-            devices=jax.devices(),
-            mesh_shape=mesh_shape,
-            slowdown=slowdown,
-            token=token,
-            workdir=workdir,
-        )
-        if not group.is_leader:
-            self.timeline = None  # the leader's timeline is the island's
-        if self.checkpoints is not None:
-            # A restart must skip the same batches on every process: the leader's journal rules.
-            self.checkpoints.journal = _AgreedJournal(self.checkpoints.journal, group.is_leader)
-
-    # Device <-> host: collective, every process takes part. --------------------------------
+        super().__init__(*args, **kwargs)
 
     def _to_host(self, leaves: Sequence[jax.Array]) -> list[np.ndarray]:
         return to_host(leaves)
 
     def _place(self, value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
         return put_global(value, sharding)
-
-    def _batch(self, batch: Any) -> Any:
-        # Every process reads the same stream; each places only its own rows.
-        return jax.tree.map(lambda x: put_global(x, self.island.batch_sharding), batch)
-
-    # The syncer link: the leader's only. -----------------------------------------------------
 
     def connect(self, timeout_s: float = 120.0, peers_s: float = 60.0) -> None:
         """The leader connects and pulls; every process receives the global fragments."""
@@ -229,16 +176,12 @@ class MultihostLearner(Learner):
         self.anchor = [[np.asarray(x) for x in frag] for frag in self.anchor]
         self.versions = [int(v) for v in versions]
 
-    def _sync(self, *args: Any, **kwargs: Any) -> None:
+    def _sync(self, job: Outgoing) -> None:
         if self.group.is_leader:
-            super()._sync(*args, **kwargs)
-            return
-        # Not ours to send: settle the push's outbox entry at once, so that nothing piles up.
-        ticket = (
-            inspect.signature(Learner._sync).bind(self, *args, **kwargs).arguments.get("ticket")
-        )
-        if ticket is not None:
-            self.outbox.deliver(ticket, lambda: None, self.stop)
+            super()._sync(job)
+        elif job.ticket is not None:
+            # Not ours to send: settle the push's outbox entry at once, so nothing piles up.
+            self.outbox.deliver(job.ticket, lambda: None, self.stop)
 
     def _heartbeat(self, state: str) -> None:
         if self.group.is_leader:
@@ -268,15 +211,90 @@ class MultihostLearner(Learner):
             for p, vals in zip(chosen, values, strict=True)
         }
 
-    def _apply_arrivals(self, state: InnerState) -> InnerState:
+    def apply_arrivals(self, params: Any) -> Any:
+        """As `DecoupledSync.apply_arrivals`; records each merge's shard digest."""
         self._merged_now = []
-        state = super()._apply_arrivals(state)
+        params = super().apply_arrivals(params)
         if self._merged_now:
-            leaves = self.treedef.flatten_up_to(state.params)
+            leaves = self.treedef.flatten_up_to(params)
             for p in self._merged_now:
                 digest = shard_digest(F.gather(leaves, self.cut[p]))
                 self.merge_digests.append([self.step, p, self.versions[p], digest])
-        return state
+        return params
+
+
+class MultihostLearner(Learner):
+    """A learner whose island spans every process of this JAX runtime.
+
+    Args:
+      config: the experiment; `dynamic_local_updates` must be off.
+      learner_id: this island's index at the syncer.
+      address: HOST:PORT of the syncer (used by the leader only).
+      group: this process's place in the island.
+      mesh_shape: (`data`, `model`) over all the island's devices (`jax.device_count()`).
+      slowdown, token, timeline, controls: as for `Learner` (only the leader's timeline).
+      workdir: as for `Learner`; with checkpoints on, every process of the island must see the
+        same directory (shared storage across hosts): Orbax writes the checkpoint collectively.
+
+    Raises:
+      ConfigError: dynamic local updates are on (the step schedule would diverge).
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        learner_id: int,
+        address: str,
+        group: ProcessGroup,
+        mesh_shape: tuple[int, int] | None = None,
+        slowdown: float = 1.0,
+        token: str = "",
+        workdir: str | pathlib.Path | None = None,
+        timeline: Any = None,
+        controls: Any = None,
+    ):
+        if config.decoupled.dynamic_local_updates:
+            raise ConfigError(
+                "decoupled.dynamic_local_updates is not supported on multi-process islands: "
+                "only the leader hears the fastest learner's step time"
+            )
+        if group.num_processes != jax.process_count():
+            raise ValueError(
+                f"--num_processes={group.num_processes} but this JAX runtime has "
+                f"{jax.process_count()} processes (call multihost.initialize first)"
+            )
+        self.group = group
+        super().__init__(
+            config,
+            learner_id,
+            address,
+            devices=jax.devices(),
+            mesh_shape=mesh_shape,
+            slowdown=slowdown,
+            token=token,
+            workdir=workdir,
+            timeline=timeline if group.is_leader else None,  # the leader's is the island's
+            controls=controls,
+        )
+        if self.checkpoints is not None:
+            # A restart must skip the same batches on every process: the leader's journal rules.
+            self.checkpoints.journal = _AgreedJournal(self.checkpoints.journal, group.is_leader)
+
+    def _make_sync(self, client: Any) -> MultihostSync:
+        return MultihostSync(
+            self.group,
+            self.config,
+            self.id,
+            client,
+            self.island.abstract_params,
+            self.island.param_sharding,
+            self.mesh_name,
+            on_state=self._mark,
+        )
+
+    def _batch(self, batch: Any) -> Any:
+        # Every process reads the same stream; each places only its own rows.
+        return jax.tree.map(lambda x: put_global(x, self.island.batch_sharding), batch)
 
     def run(self) -> dict[str, Any]:
         """Trains like `Learner.run`; the summary adds this process's place and merge digests."""
@@ -284,7 +302,7 @@ class MultihostLearner(Learner):
         summary.update(
             process_id=self.group.process_id,
             num_processes=self.group.num_processes,
-            merge_digests=self.merge_digests,
+            merge_digests=self.sync.merge_digests,
         )
         return summary
 

@@ -1,4 +1,4 @@
-"""A learner's recovery: Orbax checkpoints, the data journal, and pushes that survive outages.
+"""A learner's recovery: Orbax checkpoints, the data journal, and the schedule after a restart.
 
 Checkpoint (every `checkpoint.every` steps and at the last step, asynchronous): the inner
 state (parameters and inner optimizer state), every `Learner.checkpoint_items()` pytree (the
@@ -19,55 +19,23 @@ to the journal's position: the batches of the steps done after the last checkpoi
 work is lost with the process. Their data is skipped, not replayed (part of that work reached
 the syncer in pushes made after the checkpoint, so training on it again would count it twice);
 the skip is logged and counted (`skipped_batches`, `lost_steps` in the learner's summary).
-
-Outages: a push that cannot be delivered (the syncer or its shard is down) is retried with
-jittered exponential backoff (capped at 5 s) while the learner keeps stepping. Undelivered
-pushes are bounded per fragment: a newer push of the same fragment anchored at the same
-version carries the older one's progress (Δ = anchor − θ covers every step since the anchor),
-so an uncompressed older push that is not mid-attempt is folded into it (its step and token
-counts added) and never sent. Compressed pushes (whose error feedback already counted them as
-sent) and pushes anchored at different versions are kept, at most `syncer.max_unsent` per
-fragment waiting between attempts (plus those mid-attempt, at most one per sender thread);
-past the bound the oldest waiting one is dropped, logged and counted (`pushes_dropped`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
-import random
-import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import grpc
 import jax
 import numpy as np
 
 from decoupled_diloco.checkpointing import IslandCheckpointer
-from decoupled_diloco.comm.client import RETRYABLE
 from decoupled_diloco.core import fragments as F
 
 T = TypeVar("T")
-
-
-def use_compile_cache(default: pathlib.Path) -> None:
-    """Turns on JAX's persistent compilation cache (at `default` unless the environment names one).
-
-    A restarted learner then loads its compiled step instead of compiling it again. Call before
-    the first compilation; the `JAX_*` environment variables (the Makefile sets them) win.
-    """
-    import jax
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", str(default))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 _PHASES = (
@@ -172,10 +140,10 @@ class LearnerCheckpoints:
             "tokens": learner.tokens,
             "data": batches.get_state(),
             "data_position": learner.data_position,
-            "versions": list(learner.versions),
-            "rounds": list(learner.rounds),
-            "steps_since": list(learner.steps_since),
-            "tokens_since": list(learner.tokens_since),
+            "versions": list(learner.sync.versions),
+            "rounds": list(learner.sync.rounds),
+            "steps_since": list(learner.sync.steps_since),
+            "tokens_since": list(learner.sync.tokens_since),
             "skipped_batches": learner.skipped_batches,
             "lost_steps": learner.lost_steps,
             "restarts": learner.restarts,
@@ -203,8 +171,7 @@ class LearnerCheckpoints:
         else:
             _, tree, meta = found
             state = tree["inner"]
-            for name in items:
-                setattr(learner, name, tree[name])
+            learner.restore_items({name: tree[name] for name in items})
             batches.set_state(meta["data"])
             learner.step, learner.tokens = meta["step"], meta["tokens"]
             learner.data_position = meta["data_position"]
@@ -246,111 +213,3 @@ def reschedule(step: int, num_fragments: int, inner_steps: int) -> list[int]:
             first if step < first else first + ((step - first) // inner_steps + 1) * inner_steps
         )
     return due
-
-
-@dataclasses.dataclass(eq=False)
-class Unsent:
-    """An undelivered push of one fragment (its payload stays with its sender)."""
-
-    fragment: int
-    base: int
-    steps: int
-    tokens: int
-    foldable: bool  # an uncompressed outer gradient: a newer one at the same base contains it
-    attempting: bool = False
-    superseded: bool = False
-    dropped: bool = False
-
-
-class Outbox:
-    """Undelivered pushes per fragment, bounded (see the module doc).
-
-    Args:
-      num_fragments: P.
-      bound: undelivered pushes kept per fragment before the oldest is dropped.
-      name: for log lines.
-    """
-
-    def __init__(self, num_fragments: int, bound: int, name: str = "learner"):
-        self.bound, self.name = bound, name
-        self.lock = threading.Lock()
-        self.pending: list[list[Unsent]] = [[] for _ in range(num_fragments)]
-        self.folded = self.dropped = 0
-
-    def add(self, p: int, base: int, steps: int, tokens: int, foldable: bool) -> Unsent:
-        """Registers a new push of fragment p; folds or drops older undelivered ones."""
-        ticket = Unsent(p, base, steps, tokens, foldable)
-        with self.lock:
-            for older in self.pending[p]:
-                if foldable and older.foldable and older.base == base and not older.attempting:
-                    older.superseded = True
-                    ticket.steps += older.steps
-                    ticket.tokens += older.tokens
-                    self.folded += 1
-            self.pending[p] = [x for x in self.pending[p] if not x.superseded]
-            # Only pushes waiting between attempts count (one mid-attempt may be delivered).
-            while len(waiting := [x for x in self.pending[p] if not x.attempting]) >= self.bound:
-                oldest = waiting[0]
-                self.pending[p] = [x for x in self.pending[p] if x is not oldest]
-                oldest.dropped = True
-                self.dropped += 1
-                print(
-                    f"[{self.name}] fragment {p}: {self.bound} pushes undelivered; dropped the "
-                    f"oldest ({oldest.steps} steps anchored at version {oldest.base})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            self.pending[p].append(ticket)
-        return ticket
-
-    def unsent(self) -> int:
-        """Pushes not delivered yet."""
-        with self.lock:
-            return sum(len(x) for x in self.pending)
-
-    def deliver(self, ticket: Unsent, send: Callable[[], T], stop: threading.Event) -> T | None:
-        """Calls `send` until it succeeds, retrying while the syncer is unreachable.
-
-        Returns:
-          The reply, or None when the push was folded into a newer one, dropped, or `stop`
-          was set first (the learner is shutting down).
-
-        Raises:
-          grpc.RpcError: a refusal that no retry can fix.
-        """
-        delay = 0.2
-        try:
-            while True:
-                with self.lock:
-                    if ticket.superseded or ticket.dropped:
-                        return None
-                    ticket.attempting = True
-                try:
-                    return send()
-                except grpc.RpcError as error:
-                    if error.code() not in RETRYABLE:
-                        raise
-                finally:
-                    with self.lock:
-                        ticket.attempting = False
-                if stop.wait(delay * (0.5 + random.random())):
-                    return None
-                delay = min(2 * delay, 5.0)
-        finally:
-            with self.lock:
-                p = ticket.fragment
-                self.pending[p] = [x for x in self.pending[p] if x is not ticket]
-
-
-def retrying(call: Callable[[], T], stop: threading.Event) -> T | None:
-    """`call()`, retried with backoff while the syncer is unreachable; None once `stop` is set."""
-    delay = 0.2
-    while True:
-        try:
-            return call()
-        except grpc.RpcError as error:
-            if error.code() not in RETRYABLE:
-                raise
-        if stop.wait(delay * (0.5 + random.random())):
-            return None
-        delay = min(2 * delay, 5.0)

@@ -17,7 +17,7 @@ fault controls) and the log file to continue in. From then on it runs exactly as
 train), on the prebuilt island, whose jitted step is reused without tracing again.
 
 Why a file and not a line on stdin: the supervisor starts spares like every other child
-(`launch.Processes`: log file, environment, `die_with_parent`), with nothing held open per
+(`local.procs.Processes`: log file, environment, `die_with_parent`), with nothing held open per
 child; an activation can be written by hand or by another manager; and the spare's directory
 shows its state (`ready`, `activate.json`). Polling costs one `stat` every 10 ms.
 
@@ -98,7 +98,7 @@ def _check_activation(
       ValueError: the activation names another config, several processes, or a learner whose
         mesh is not this spare's.
     """
-    from decoupled_diloco.learner.cli import mesh_shape_for
+    from decoupled_diloco.config import mesh_shape_for
 
     argv = [str(a) for a in activation.get("argv", [])]
     theirs = sorted(a for a in argv if a.startswith("--config"))
@@ -218,7 +218,7 @@ class Spares:
     Not thread-safe: the supervisor calls it under its lock.
 
     Args:
-      procs: where spares are started (`launch.Processes`).
+      procs: where spares are started (`local.procs.Processes`).
       directory: the spares' folders (emptied first).
       config_file: the run's config file (a spare's `--config`).
       shapes: each learner's mesh shape, by learner id.

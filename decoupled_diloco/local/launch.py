@@ -19,12 +19,12 @@ import pathlib
 import re
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from decoupled_diloco import config as config_lib
@@ -32,25 +32,11 @@ from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.core.compression import ring_allreduce_bytes
+from decoupled_diloco.local import supervisor as supervisor_lib
+from decoupled_diloco.local.evaluator import GlobalEvaluator
+from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.obs import watch
 from decoupled_diloco.obs.metrics import MetricsWriter, write_summary
-
-_CONFIG_TEMPLATE = '''"""The resolved config of this run, written by the decoupled launcher."""
-
-import json
-
-from decoupled_diloco import config as c
-
-
-def get_config():
-    return c.as_config_dict(c.from_config_dict(json.loads(r"""{values}""")))
-'''
-
-
-def write_config_file(config: config_lib.ExperimentConfig, path: pathlib.Path) -> pathlib.Path:
-    """Writes `config` as a config file that `--config=` accepts in any process."""
-    path.write_text(_CONFIG_TEMPLATE.format(values=json.dumps(dataclasses.asdict(config))))
-    return path
 
 
 def child_env(token: str) -> dict[str, str]:
@@ -125,7 +111,6 @@ def island_commands(
     num = config.decoupled.island_processes
     if num == 1:
         return [(f"learner_{learner_id}", base)]
-    from decoupled_diloco.local.procs import free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
     out = []
@@ -142,55 +127,6 @@ def island_commands(
     return out
 
 
-class Processes:
-    """Children started with their output in log files; `reap()` ends all of them."""
-
-    def __init__(self, log_dir: pathlib.Path, env: dict[str, str]):
-        self.log_dir, self.env = log_dir, env
-        self.procs: dict[str, subprocess.Popen] = {}
-        log_dir.mkdir(parents=True, exist_ok=True)
-
-    def start(
-        self, name: str, command: list[str], env: dict[str, str] | None = None
-    ) -> subprocess.Popen:
-        """Starts one child, with `env` added to the common environment.
-
-        Its stdout and stderr go to `log_dir/NAME.log`. The child follows its parent's death by
-        calling `runtime.die_with_parent` itself (no `preexec_fn`: see there why).
-        """
-        from decoupled_diloco.runtime import PARENT_PID_ENV
-
-        with (self.log_dir / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**self.env, **(env or {}), PARENT_PID_ENV: str(os.getpid())},
-                cwd=pathlib.Path(__file__).resolve().parent.parent,
-            )
-        self.procs[name] = proc
-        return proc
-
-    def failed(self) -> dict[str, int]:
-        """Children that exited with a non-zero code."""
-        return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
-
-    def tail(self, name: str, lines: int = 15) -> str:
-        """The last lines of a child's log."""
-        path = self.log_dir / f"{name}.log"
-        return (
-            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-            if path.exists()
-            else ""
-        )
-
-    def reap(self) -> None:
-        """Terminates and reaps every child."""
-        from decoupled_diloco.local.procs import reap
-
-        reap(list(self.procs.values()))
-
-
 def _start_syncers(
     config: config_lib.ExperimentConfig,
     config_file: pathlib.Path,
@@ -204,8 +140,6 @@ def _start_syncers(
     Each shard gets a fixed free port (a restart comes back on it) and, with checkpoints on,
     its own directory `workdir/checkpoints/syncer_S`. One shard is named `syncer`.
     """
-    from decoupled_diloco.local.procs import free_port
-
     shards = config.decoupled.syncer.shards
     port_files = [port_file] + [workdir / f"syncer_{s}.port" for s in range(1, shards)]
     for s in range(shards):
@@ -275,11 +209,10 @@ def run_decoupled(
     # Absolute: the children run from the package's root, not from the caller's directory.
     workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="decoupled_")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    from decoupled_diloco.local import supervisor as supervisor_lib
 
     # Timeline (goodput) and, under `config.chaos`, the fault schedule and its controls.
     config, chaos_env, schedule = supervisor_lib.prepare_run(config, workdir)
-    config_file = write_config_file(config, workdir / "config.py")
+    config_file = config_lib.write_config_file(config, workdir / "config.py")
     port_file = workdir / "syncer.port"
     port_file.unlink(missing_ok=True)
     token = config.decoupled.syncer.token or os.environ.get(wire.TOKEN_ENV) or secrets.token_hex(16)
@@ -358,13 +291,13 @@ def run_decoupled(
         "merge_log": status.get("merge_log", []),  # the syncer's last 200 merges
         "stall_fraction_max": max(x["stall_fraction"] for x in learners),
         "learners": learners,
-        "params": int(sum(x.size for x in params_leaves(params))),
+        "params": int(sum(x.size for x in jax.tree.leaves(params))),
         # Traffic of all learners' pushes and pulls (headers included), next to what a ring
         # all-reduce of float32 gradients every step would have moved for the same steps.
         "bytes_sent": sum(x.get("bytes_sent", 0) for x in learners),
         "bytes_received": sum(x.get("bytes_received", 0) for x in learners),
         "dp_equivalent_bytes": sum(x["steps"] for x in learners)
-        * ring_allreduce_bytes(config.num_learners, sum(x.size for x in params_leaves(params))),
+        * ring_allreduce_bytes(config.num_learners, sum(x.size for x in jax.tree.leaves(params))),
         # Goodput, uptime, faults and recoveries (see `timeline` for the definitions).
         **supervisor_lib.chaos_summary(workdir, events, t_end=time.time()),
         "max_staleness": status.get("max_staleness", 0),
@@ -379,13 +312,6 @@ def run_decoupled(
     if schedule is not None:  # under faults: the picture of who did what when
         supervisor_lib.write_timeline_png(workdir)
     return summary, params
-
-
-def params_leaves(params: Any) -> list[np.ndarray]:
-    """The leaves of a parameter tree."""
-    import jax
-
-    return jax.tree.leaves(params)
 
 
 def _monitor(
@@ -473,44 +399,3 @@ def _wait_for_last_merges(client: SyncerClient, status: dict[str, Any]) -> dict[
         time.sleep(0.05)
         status = client.status()
     return status
-
-
-class GlobalEvaluator:
-    """Evaluates the syncer's global parameters (pulled fragment by fragment) on one device."""
-
-    def __init__(self, config: config_lib.ExperimentConfig, client: SyncerClient, corpus: Any):
-        import jax
-
-        from decoupled_diloco import tasks
-        from decoupled_diloco.core import fragments as F
-        from decoupled_diloco.island import Island
-
-        self.config, self.client = config, client
-        self.island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
-        specs = F.tensor_specs(self.island.abstract_params)
-        self.cut = F.partition(specs, config.decoupled.fragments)
-        self.num_leaves = len(specs)
-        dataset = tasks.load_dataset(config, corpus)  # text corpus or image set
-        self.batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
-        self.metrics: dict[str, float] = {}
-
-    def params(self) -> Any:
-        """The current global parameters, as a host pytree."""
-        import jax
-
-        leaves: list[Any] = [None] * self.num_leaves
-        for p, fragment in enumerate(self.cut):
-            _, values = self.client.pull(-1, p, 0, self.config.decoupled.syncer.rpc_timeout_s)
-            for spec, value in zip(fragment, values, strict=True):
-                leaves[spec.index] = value
-        return jax.tree.unflatten(jax.tree.structure(self.island.abstract_params), leaves)
-
-    def __call__(self) -> tuple[Any, float]:
-        """(global parameters, their mean validation loss); all metrics go to `metrics`."""
-        params = self.params()
-        self.metrics = self.island.evaluate_metrics(params, self.batches)
-        return params, self.metrics["loss"]
-
-    def event(self) -> dict[str, float]:
-        """The last evaluation as metrics fields: eval_loss, and eval_accuracy if classifying."""
-        return {f"eval_{k}": v for k, v in self.metrics.items()}

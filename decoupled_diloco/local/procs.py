@@ -1,14 +1,19 @@
-"""Child-process hygiene for launchers: free ports, reap process groups."""
+"""Child processes of a launcher: started with their logs, free ports, reaped at the end."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-T = TypeVar("T")
+from decoupled_diloco.runtime import PARENT_PID_ENV
+
+# Children run from the repository root, so that `-m decoupled_diloco...` and relative config
+# paths resolve as they do for the launcher's own command line.
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -32,18 +37,46 @@ def reap(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> None:
             proc.wait()
 
 
-def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.05) -> T:
-    """Polls `predicate` until it returns something truthy, and returns that.
+class Processes:
+    """Children started with their output in log files; `reap()` ends all of them."""
 
-    Multi-process code and tests wait on events and step counts this way, never on fixed sleeps.
+    def __init__(self, log_dir: pathlib.Path, env: dict[str, str]):
+        self.log_dir, self.env = log_dir, env
+        self.procs: dict[str, subprocess.Popen] = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
 
-    Raises:
-      TimeoutError: nothing truthy within `timeout_s`; the message names `what`.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+    def start(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Starts one child, with `env` added to the common environment.
+
+        Its stdout and stderr go to `log_dir/NAME.log`. The child follows its parent's death by
+        calling `runtime.die_with_parent` itself (no `preexec_fn`: see there why).
+        """
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {}), PARENT_PID_ENV: str(os.getpid())},
+                cwd=_REPO,
+            )
+        self.procs[name] = proc
+        return proc
+
+    def failed(self) -> dict[str, int]:
+        """Children that exited with a non-zero code."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        """The last lines of a child's log."""
+        path = self.log_dir / f"{name}.log"
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            if path.exists()
+            else ""
+        )
+
+    def reap(self) -> None:
+        """Terminates and reaps every child."""
+        reap(list(self.procs.values()))

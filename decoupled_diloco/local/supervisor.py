@@ -31,9 +31,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from decoupled_diloco import config as config_lib
 from decoupled_diloco.chaos import faults as chaos
 from decoupled_diloco.chaos.injector import Injector
-from decoupled_diloco.local.launch import Processes
+from decoupled_diloco.local.procs import Processes
 from decoupled_diloco.obs import timeline as timeline_lib
 
 CHILD_ENV = "DD_CHAOS_CHILD"  # set in the process a synchronous run supervises
@@ -379,13 +380,11 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
     Raises:
       RuntimeError: the child failed on its own (its log tail is in the message).
     """
-    from decoupled_diloco.local.launch import write_config_file
-
     t0 = time.monotonic()
     workdir = pathlib.Path(workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     config, chaos_env, schedule = prepare_run(config, workdir)
-    config_file = write_config_file(config, workdir / "config.py")
+    config_file = config_lib.write_config_file(config, workdir / "config.py")
     (workdir / "summary.json").unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update({CHILD_ENV: "1", **chaos_env})

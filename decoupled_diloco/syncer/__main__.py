@@ -1,16 +1,23 @@
 r"""`python -m decoupled_diloco.syncer`: one syncer process (or one shard of it).
 
-DD_RUN_TOKEN=secret python -m decoupled_diloco.syncer --port=50051 \
+  DD_RUN_TOKEN=secret python -m decoupled_diloco.syncer --port=50051 \
       --config=experiments/configs/tiny_lm.py --config.mode=decoupled
+
+Reads the flags and the environment (the run token, `DD_RUN_TOKEN`), builds a `SyncerServer`
+and serves until SIGTERM or SIGINT.
 """
 
+import pathlib
+import signal
 import sys
+import threading
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-from decoupled_diloco.runtime import die_with_parent
-from decoupled_diloco.syncer import server
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import runtime
+from decoupled_diloco.syncer.server import SyncerServer, pause_in_merge
 
 config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 flags.DEFINE_string("host", "", "Interface to bind (default: config.decoupled.syncer.host).")
@@ -20,5 +27,53 @@ flags.DEFINE_integer("shard", 0, "This shard's index in [0, decoupled.syncer.sha
 flags.DEFINE_string(
     "checkpoint_dir", "", "Commit the state here and resume from it (empty: in memory)."
 )
-die_with_parent()
-sys.exit(app.run(server.main))
+flags.DEFINE_string(
+    "debug_pause_in_merge", "", "Tests: N:PATH stops the N-th merge halfway and writes PATH."
+)
+
+
+def main(argv: list[str]) -> None:
+    """Runs a syncer until SIGTERM/SIGINT."""
+    del argv
+    values = flags.FLAGS
+    if not values["verbosity"].present:  # Orbax logs every commit at INFO
+        logging.set_verbosity(logging.WARNING)
+    runtime.use_compile_cache()
+    config = config_lib.from_config_dict(values.config)
+    hook = values.debug_pause_in_merge
+    server = SyncerServer(
+        config,
+        host=values.host,
+        port=values.port,
+        shard=values.shard,
+        checkpoint_dir=values.checkpoint_dir or None,
+        merge_hook=pause_in_merge(hook) if hook else None,
+    ).start()
+    if values.port_file:
+        path = pathlib.Path(values.port_file)
+        path.with_suffix(".tmp").write_text(str(server.port))
+        path.with_suffix(".tmp").replace(path)
+    shards = config.decoupled.syncer.shards
+    name = f"[syncer {server.shard}/{shards}]" if shards > 1 else "[syncer]"
+    restored = (
+        f"; resumed from commit {server.restored_step} at versions {server.state.versions()}"
+        if server.restored_step
+        else ""
+    )
+    print(
+        f"{name} listening on {values.host or config.decoupled.syncer.host}:{server.port}; "
+        f"fragments {sorted(server.state.owned)} of {len(server.state.fragments)}, quorum "
+        f"{config.decoupled.quorum}, fingerprint {server.fingerprint}{restored}",
+        flush=True,
+    )
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop()
+    print("[syncer] stopped", flush=True)
+
+
+if __name__ == "__main__":
+    runtime.die_with_parent()
+    sys.exit(app.run(main))

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import functools
 import hmac
-import signal
+import json
+import os
+import pathlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
+import jax
 import numpy as np
 
+from decoupled_diloco import tasks
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm import wire
@@ -29,7 +33,7 @@ from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import compression
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.core.compression import Codec
-from decoupled_diloco.core.downlink import Downlink
+from decoupled_diloco.syncer.downlink import Downlink
 from decoupled_diloco.syncer.state import Push, SyncerState
 
 
@@ -37,20 +41,33 @@ from decoupled_diloco.syncer.state import Push, SyncerState
 def initial_fragments(config: ExperimentConfig) -> tuple[list[list[F.TensorSpec]], list[list]]:
     """The fragment cut of the model and every fragment's initial values (host arrays).
 
-    Uses the same jit-compiled initializer as the learners (one CPU device), so version 0 of
-    every fragment equals a learner's freshly initialized parameters.
+    From the task alone: its abstract parameter tree gives the cut, its initializer (the
+    learners' seed, no mesh) version 0. Learners start from the syncer's values, whatever
+    their meshes.
     """
-    import jax
-
-    from decoupled_diloco.island import Island
-
-    island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
-    leaves = [
-        np.asarray(x) for x in jax.tree.leaves(jax.device_get(island.init(config.seed).params))
-    ]
-    specs = F.tensor_specs(island.abstract_params)
+    task = tasks.make_task(config)
+    specs = F.tensor_specs(task.abstract_params())
     cut = F.partition(specs, config.decoupled.fragments)
+    leaves = jax.tree.leaves(task.init_params(config.seed))
     return cut, [F.gather(leaves, frag) for frag in cut]
+
+
+def pause_in_merge(spec: str) -> Callable[[], None]:
+    """A `SyncerState.merge_hook` from `N:PATH`: the N-th merge writes PATH and stops for good.
+
+    The merge has computed the new values but not installed them, and holds the state lock,
+    so that a test can kill the syncer in the middle of a merge (`--debug_pause_in_merge`).
+    """
+    count, path = spec.split(":", 1)
+    seen = [0]
+
+    def hook() -> None:
+        seen[0] += 1
+        if seen[0] == int(count):
+            pathlib.Path(path).write_text(str(os.getpid()))
+            threading.Event().wait()
+
+    return hook
 
 
 class SyncerService(pb_grpc.SyncerServicer):
@@ -138,8 +155,6 @@ class SyncerService(pb_grpc.SyncerServicer):
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext):  # noqa: D102
         self._authorize(context)
-        import json
-
         status = self.state.status()
         if self.committer is not None:  # durable syncer: log syncs and snapshots
             status["durability"] = self.committer.stats()
@@ -301,8 +316,9 @@ class SyncerServer:
       port: port to bind; 0 picks a free one (see `.port`).
       token: the run token (default: from config or `DD_RUN_TOKEN`).
       shard: this shard's index; it owns the fragments p with p % `syncer.shards` == shard.
-      checkpoint_dir: where this shard commits its state (see `syncer_checkpoint`); it
+      checkpoint_dir: where this shard commits its state (see `durability`); it
         resumes from the newest readable commit there. None: in memory only.
+      merge_hook: passed to `SyncerState` (tests: `pause_in_merge`).
     """
 
     def __init__(
@@ -313,6 +329,7 @@ class SyncerServer:
         token: str = "",
         shard: int = 0,
         checkpoint_dir: str | None = None,
+        merge_hook: Callable[[], None] | None = None,
     ):
         s = config.decoupled.syncer
         if not 0 <= shard < s.shards:
@@ -325,7 +342,14 @@ class SyncerServer:
         cut, values = initial_fragments(config)
         owned = [p for p in range(len(cut)) if p % s.shards == shard]
         self.shard = shard
-        self.state = SyncerState(config, cut, values, owned=owned)
+        self.state = SyncerState(
+            config,
+            cut,
+            values,
+            owned=owned,
+            is_mean_only=tasks.make_task(config).is_mean_only,
+            merge_hook=merge_hook,
+        )
         self.committer = self.restored_step = None
         if checkpoint_dir:
             from decoupled_diloco.syncer.durability import Committer
@@ -384,52 +408,3 @@ class SyncerServer:
         self.server.stop(grace_s).wait()
         if self.committer is not None:
             self.committer.stop()
-
-
-def main(argv: list[str]) -> None:
-    """Runs a syncer until SIGTERM/SIGINT."""
-    from absl import flags, logging
-
-    from decoupled_diloco import config as config_lib
-
-    values = flags.FLAGS
-    if not values["verbosity"].present:  # Orbax logs every commit at INFO
-        logging.set_verbosity(logging.WARNING)
-    import pathlib
-
-    from decoupled_diloco.runtime import use_compile_cache
-
-    use_compile_cache()
-    config = config_lib.from_config_dict(values.config)
-    server = SyncerServer(
-        config,
-        host=values.host,
-        port=values.port,
-        shard=values.shard,
-        checkpoint_dir=values.checkpoint_dir or None,
-    ).start()
-    if values.port_file:
-        import pathlib
-
-        path = pathlib.Path(values.port_file)
-        path.with_suffix(".tmp").write_text(str(server.port))
-        path.with_suffix(".tmp").replace(path)
-    shards = config.decoupled.syncer.shards
-    name = f"[syncer {server.shard}/{shards}]" if shards > 1 else "[syncer]"
-    restored = (
-        f"; resumed from commit {server.restored_step} at versions {server.state.versions()}"
-        if server.restored_step
-        else ""
-    )
-    print(
-        f"{name} listening on {values.host or config.decoupled.syncer.host}:{server.port}; "
-        f"fragments {sorted(server.state.owned)} of {len(server.state.fragments)}, quorum "
-        f"{config.decoupled.quorum}, fingerprint {server.fingerprint}{restored}",
-        flush=True,
-    )
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.stop()
-    print("[syncer] stopped", flush=True)

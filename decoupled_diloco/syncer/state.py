@@ -4,8 +4,9 @@ Per fragment p the syncer holds the global values Θ_p (host numpy), the outer o
 and a version. Learners push outer gradients Δ anchored at the version they hold; a round of
 fragment p collects pushes and closes once `quorum` live learners have pushed and the adaptive
 grace window has passed (or every live learner has pushed). Closing merges the outer gradients
-with token weights w = tokens²/steps (RDA, or the weighted mean for embeddings, via
-`outer.merge`), applies the Nesterov outer step (`outer.outer_step`) and bumps the version.
+with token weights w = tokens²/steps (RDA, or the weighted mean for the task's mean-only
+tensors) and applies the outer step, all in `core.outer.outer_round` (the one the synchronous
+`diloco` trainer calls too), and bumps the version.
 
 Anchoring: a push anchored at the current version is used as is. A push anchored at an older
 version b carries Δ = Θ_p^(b) − θ_m. With `stale_anchor="syncer"` (Decoupled DiLoCo, App. D.2)
@@ -33,11 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import pathlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -46,12 +45,6 @@ import numpy as np
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
-from decoupled_diloco.models.transformer import is_embedding
-
-
-def token_weight(tokens: int, steps: int) -> float:
-    """Token weight w = tokens · (tokens / steps): quantity times quality (Sec. 3.2)."""
-    return float(tokens) * float(tokens) / max(float(steps), 1.0)
 
 
 def grace_window(
@@ -123,46 +116,6 @@ class LearnerInfo:
     sync_rounds: int = 0
 
 
-def merge_and_step(
-    tx: Any,
-    method: str,
-    is_mean_only: Any,
-    values: dict[str, Any],
-    opt_state: Any,
-    deltas: list[dict[str, Any]],
-    weights: Any,
-    scale: Any = 1.0,
-) -> tuple[dict[str, Any], Any]:
-    """Merges outer gradients (`outer.merge`), scales the result, applies the outer step.
-
-    `scale` is the merge's share of the learners with `decoupled.partial_merge="share"`, else 1.
-    """
-    merged = outer.merge(deltas, weights, method, is_mean_only=is_mean_only)
-    merged = jax.tree.map(lambda x: x * scale, merged)
-    return outer.outer_step(tx, values, opt_state, merged)
-
-
-_merges_seen = 0
-
-
-def _debug_pause_in_merge() -> None:
-    """Test hook: `DD_DEBUG_PAUSE_IN_MERGE=N:PATH` stops the N-th merge halfway, for good.
-
-    The merge has computed the new values but not installed them, and holds the state lock;
-    the hook writes PATH, so that a test can kill the syncer in the middle of a merge.
-    """
-    global _merges_seen
-    hook = os.environ.get("DD_DEBUG_PAUSE_IN_MERGE", "")
-    if not hook:
-        return
-    _merges_seen += 1
-    count, path = hook.split(":", 1)
-    if _merges_seen == int(count):
-        pathlib.Path(path).write_text(str(os.getpid()))
-        while True:
-            time.sleep(1)
-
-
 class FragmentState:
     """Global values, outer optimizer state, version and the open round of one fragment."""
 
@@ -195,6 +148,10 @@ class SyncerState:
       clock: time source (seconds); tests may pass a fake one.
       owned: the fragments this syncer (shard) serves; default all. The others keep only
         their specs (no values, no optimizer state) and are refused by the server.
+      is_mean_only: a predicate on tensor names: the tensors RDA merges by the plain mean (the
+        task's `is_mean_only`); default none.
+      merge_hook: called in the middle of every merge (new values computed, not installed,
+        state lock held); tests pass one to kill the syncer there.
     """
 
     def __init__(
@@ -204,8 +161,10 @@ class SyncerState:
         initial: Sequence[Sequence[np.ndarray]],
         clock: Any = time.monotonic,
         owned: Sequence[int] | None = None,
+        is_mean_only: Callable[[str], bool] | None = None,
+        merge_hook: Callable[[], None] | None = None,
     ):
-        self.config, self.clock = config, clock
+        self.config, self.clock, self.merge_hook = config, clock, merge_hook
         self.owned = set(range(len(fragments)) if owned is None else owned)
         self.started = clock()  # For the status's uptime (and merges per minute).
         d = config.decoupled
@@ -233,25 +192,30 @@ class SyncerState:
         self.merge_sizes = [0] * (config.num_learners + 1)
         self.seen: dict[tuple[int, int, int], PushResult] = {}
         self.lock = threading.Condition()
-        # One compiled merge + outer step per fragment: pushes are padded to `num_learners`
-        # slots with zero outer gradients of weight 0, which leave both merges unchanged.
-        self._round = jax.jit(
-            functools.partial(
-                merge_and_step,
-                self.tx,
-                config.outer.merge,
-                lambda path: is_embedding(tuple(path[0].split("/"))),
+        # One compiled outer round per fragment: pushes are padded to `num_learners` slots
+        # with zero outer gradients of weight 0, which leave both merges unchanged.
+        mean_only = is_mean_only or (lambda name: False)
+        self._rounds = [
+            jax.jit(
+                functools.partial(
+                    outer.outer_round,
+                    self.tx,
+                    config.outer.merge,
+                    {s.name: bool(mean_only(s.name)) for s in specs},
+                )
             )
-        )
+            for specs in fragments
+        ]
 
     def warm_up(self) -> None:
         """Compiles every fragment's merge now, so the first real round is not slow."""
         m = self.config.num_learners
-        for frag in (self.fragments[p] for p in sorted(self.owned)):
+        for p in sorted(self.owned):
+            frag = self.fragments[p]
             zeros = [np.zeros_like(v) for v in frag.values]
             tree = self._tree(frag, frag.values)
             jax.block_until_ready(
-                self._round(
+                self._rounds[p](
                     tree, frag.opt_state, [self._tree(frag, zeros)] * m, np.ones(m), np.float32(1.0)
                 )
             )
@@ -421,7 +385,7 @@ class SyncerState:
     def _merge(self, p: int) -> None:
         frag = self.fragments[p]
         pushes = [frag.pending[i] for i in sorted(frag.pending)]
-        weights = [token_weight(x.tokens, x.steps) for x in pushes]
+        weights = [outer.token_weight(x.tokens, x.steps) for x in pushes]
         m = self.config.num_learners
         zeros = self._tree(frag, [np.zeros_like(v) for v in frag.values])
         deltas = [self._tree(frag, x.delta) for x in pushes] + [zeros] * (m - len(pushes))
@@ -430,12 +394,13 @@ class SyncerState:
         # all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
         share = self.config.decoupled.partial_merge == "share"
         scale = np.float32(len(pushes) / m if share else 1.0)
-        new_values, opt_state = self._round(
+        new_values, opt_state = self._rounds[p](
             self._tree(frag, frag.values), frag.opt_state, deltas, padded, scale
         )
         frag.opt_state = jax.device_get(opt_state)
         new_values = jax.device_get(new_values)
-        _debug_pause_in_merge()
+        if self.merge_hook is not None:
+            self.merge_hook()
         frag.values = [np.asarray(new_values[s.name]) for s in frag.specs]
         frag.version += 1
         if not self.durable:  # else the committer publishes it once it is on disk

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
-from decoupled_diloco.config import (
+from decoupled_diloco.config.schema import (
     COMPRESSION_SCHEMES,
     DATASETS,
     DTYPES,

@@ -1,0 +1,147 @@
+"""One fragment's round trip: push its outer gradient, wait for the merge that holds it, pull it.
+
+Runs on a `DecoupledSync` worker thread, so it may block: while the syncer is unreachable the
+push and the pull are retried with backoff (`comm.retry`; the push through its `Outbox` ticket,
+which a newer push of the fragment may fold it into), until the link stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from decoupled_diloco.comm import wire
+from decoupled_diloco.comm.retry import retry
+from decoupled_diloco.core import outer
+from decoupled_diloco.core.compression import Codec
+from decoupled_diloco.core.fragments import TensorSpec
+from decoupled_diloco.learner.outbox import Outbox, Unsent
+
+
+@dataclasses.dataclass
+class Encoded:
+    """A fragment's encoded outer gradient: section arrays in wire order."""
+
+    arrays: list[np.ndarray]
+
+
+@dataclasses.dataclass
+class Inbound:
+    """A merged fragment waiting for its step boundary."""
+
+    version: int
+    values: list[np.ndarray]
+    apply_after_step: int
+    pushed_at: int = -1  # the step of the push this merge answers (-1: unknown)
+
+
+@dataclasses.dataclass
+class Outgoing:
+    """One push of a fragment, as the step loop handed it over."""
+
+    fragment: int
+    round: int
+    base: int  # the version Δ is anchored at
+    anchor: list[np.ndarray]
+    local: list[np.ndarray] | Encoded  # θ on the host, or Δ already encoded on the mesh
+    steps: int
+    tokens: int
+    final: bool  # the last push of the run: no merge is waited for
+    pushed_at: int  # the step after which it left
+    ticket: Unsent | None = None
+
+
+@dataclasses.dataclass
+class Trip:
+    """How a round trip went: the push's outcome, the merge it brought back, the bytes moved."""
+
+    outcome: str  # "accepted", "late" or "duplicate" (the syncer's answer to the push)
+    version: int = -1  # the merged version pulled (-1: none, e.g. for a final push)
+    values: list[np.ndarray] = dataclasses.field(default_factory=list)
+    sent: int = 0
+    received: int = 0
+
+
+def round_trip(
+    client: Any,
+    learner_id: int,
+    job: Outgoing,
+    specs: list[TensorSpec],
+    codec: Codec,
+    stop: threading.Event,
+    still_current: Callable[[], bool],
+    wait_s: float,
+    outbox: Outbox | None = None,
+    on_retry: Callable[[], None] | None = None,
+) -> Trip | None:
+    """Pushes Δ = anchor − θ of `job` (or its encoding), then pulls the merge that holds it.
+
+    Args:
+      client: the learner's syncer client.
+      learner_id: who pushes.
+      job: the push.
+      specs: its fragment's tensors.
+      codec: how an encoded `job.local` was encoded.
+      stop: set when the learner shuts down: waits end, None is returned.
+      still_current: False once a newer push of the fragment has taken over the wait.
+      wait_s: how long one pull waits at the syncer (short: shutdown is never held up).
+      outbox: where `job.ticket` is registered (folding, bounds).
+      on_retry: called before each retry (counters).
+
+    Returns:
+      The trip, or None when the push was folded into a newer one, dropped, or `stop` was set
+      before it was delivered.
+
+    Raises:
+      grpc.RpcError: a refusal that no retry can fix (a bug or a hostile syncer).
+    """
+    if isinstance(job.local, Encoded):  # compressed on the mesh by the step loop
+        arrays, tensors = job.local.arrays, wire.headers(specs, codec)
+    else:
+        arrays, tensors = outer.outer_gradient(job.anchor, job.local), None
+    send = functools.partial(
+        client.push,
+        learner_id=learner_id,
+        fragment=job.fragment,
+        round=job.round,
+        base_version=job.base,
+        steps=job.steps,
+        tokens=job.tokens,
+        specs=specs,
+        arrays=arrays,
+        tensors=tensors,
+        retries=0,  # retried here, not inside the client too
+    )
+    if job.ticket is not None and outbox is not None:
+        reply = outbox.deliver(job.ticket, send, stop, on_retry)
+    else:
+        reply = retry(send, stop=stop, on_retry=on_retry)
+    if reply is None:
+        return None
+    outcome = "duplicate" if reply.duplicate else "accepted" if reply.accepted else "late"
+    trip = Trip(outcome, sent=client.last_bytes())
+    if job.final:
+        return trip
+    # An accepted push waits in the fragment's open round, which the next merge closes: wait
+    # for that merge (it holds this push), not for any version newer than `base` (a merge of
+    # other learners' pushes that closed while this one was on its way).
+    want = max(job.base, reply.version) + 1 if reply.accepted else job.base + 1
+    # That merge may be long in coming (this push folded into a newer one, or lost with a
+    # restarted syncer's unsaved state): a newer push's pull then brings what is there.
+    while trip.version < 0 and not stop.is_set() and still_current():
+        # `have`: with a compressed downlink the syncer sends the difference from it.
+        pull = functools.partial(
+            client.pull, learner_id, job.fragment, want, wait_s, have=(job.base, job.anchor),
+            retries=0,
+        )  # fmt: skip
+        pulled = retry(pull, stop=stop, on_retry=on_retry)
+        if pulled is None:
+            break
+        trip.version, trip.values = pulled
+        trip.received += client.last_bytes()
+    return trip

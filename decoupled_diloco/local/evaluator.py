@@ -1,0 +1,46 @@
+"""The global model's evaluation during and after a decoupled run: pulled from the syncer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import tasks
+from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.core import fragments as F
+from decoupled_diloco.island import Island
+
+
+class GlobalEvaluator:
+    """Evaluates the syncer's global parameters (pulled fragment by fragment) on one device."""
+
+    def __init__(self, config: config_lib.ExperimentConfig, client: SyncerClient, corpus: Any):
+        self.config, self.client = config, client
+        self.island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
+        specs = F.tensor_specs(self.island.abstract_params)
+        self.cut = F.partition(specs, config.decoupled.fragments)
+        self.num_leaves = len(specs)
+        dataset = tasks.load_dataset(config, corpus)  # text corpus or image set
+        self.batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
+        self.metrics: dict[str, float] = {}
+
+    def params(self) -> Any:
+        """The current global parameters, as a host pytree."""
+        leaves: list[Any] = [None] * self.num_leaves
+        for p, fragment in enumerate(self.cut):
+            _, values = self.client.pull(-1, p, 0, self.config.decoupled.syncer.rpc_timeout_s)
+            for spec, value in zip(fragment, values, strict=True):
+                leaves[spec.index] = value
+        return jax.tree.unflatten(jax.tree.structure(self.island.abstract_params), leaves)
+
+    def __call__(self) -> tuple[Any, float]:
+        """(global parameters, their mean validation loss); all metrics go to `metrics`."""
+        params = self.params()
+        self.metrics = self.island.evaluate_metrics(params, self.batches)
+        return params, self.metrics["loss"]
+
+    def event(self) -> dict[str, float]:
+        """The last evaluation as metrics fields: eval_loss, and eval_accuracy if classifying."""
+        return {f"eval_{k}": v for k, v in self.metrics.items()}
