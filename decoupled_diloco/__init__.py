@@ -5,6 +5,8 @@ The public surface, importable from Colab and research code:
     import decoupled_diloco as dd
     config = dd.ExperimentConfig(mode="diloco", num_learners=2, inner_steps=50)
     result = dd.train_and_evaluate(config, workdir="runs/mine")
+
+Everything else stays importable from its module (the package's layout is in docs/DESIGN.md).
 """
 
 import importlib
@@ -14,76 +16,54 @@ from typing import Any
 # numpy-only parts, such as the goodput simulator or a syncer's config loading, do not pay for
 # importing JAX.
 _EXPORTS = {
-    "CheckpointConfig": "decoupled_diloco.config",
-    "ConfigError": "decoupled_diloco.config",
-    "Corpus": "decoupled_diloco.data.text",
-    "DataConfig": "decoupled_diloco.config",
-    "DataParallelTrainer": "decoupled_diloco.trainers",
-    "DecoupledConfig": "decoupled_diloco.config",
-    "Learner": "decoupled_diloco.learner.loop",
-    "SyncerClient": "decoupled_diloco.comm.client",
-    "SyncerConfig": "decoupled_diloco.config",
-    "SyncerServer": "decoupled_diloco.syncer.server",
-    "SyncerState": "decoupled_diloco.syncer.state",
-    "delayed_nesterov": "decoupled_diloco.core.outer",
+    # Running an experiment: one entry point for every mode.
+    "train_and_evaluate": "decoupled_diloco.train",
+    "RunResult": "decoupled_diloco.train",
     "run_decoupled": "decoupled_diloco.local.launch",
-    "DiLoCoTrainer": "decoupled_diloco.trainers",
-    "EvalConfig": "decoupled_diloco.config",
+    # Configuration.
     "ExperimentConfig": "decoupled_diloco.config",
-    "InnerState": "decoupled_diloco.island",
-    "Island": "decoupled_diloco.island",
-    "MeshConfig": "decoupled_diloco.config",
     "ModelConfig": "decoupled_diloco.config",
+    "DataConfig": "decoupled_diloco.config",
     "OptimConfig": "decoupled_diloco.config",
     "OuterConfig": "decoupled_diloco.config",
-    "partition": "decoupled_diloco.core.fragments",
-    "RunResult": "decoupled_diloco.train",
-    "Transformer": "decoupled_diloco.models.transformer",
-    "as_config_dict": "decoupled_diloco.config",
-    "build_trainer": "decoupled_diloco.train",
-    "from_config_dict": "decoupled_diloco.config",
-    "lm_loss": "decoupled_diloco.models.transformer",
-    "load_corpus": "decoupled_diloco.data.text",
-    "make_island_mesh": "decoupled_diloco.models.mesh",
-    "make_outer_optimizer": "decoupled_diloco.core.outer",
-    "merge": "decoupled_diloco.core.outer",
-    "outer_gradient": "decoupled_diloco.core.outer",
-    "outer_step": "decoupled_diloco.core.outer",
-    "radial_directional_average": "decoupled_diloco.core.outer",
-    "train_and_evaluate": "decoupled_diloco.train",
-    "train_iterator": "decoupled_diloco.data.text",
-    "validate": "decoupled_diloco.config",
-    "validation_batches": "decoupled_diloco.data.text",
-    "weighted_mean": "decoupled_diloco.core.outer",
-    # Models and tasks beyond the dense LM (issue 8).
+    "MeshConfig": "decoupled_diloco.config",
+    "CheckpointConfig": "decoupled_diloco.config",
+    "EvalConfig": "decoupled_diloco.config",
+    "DecoupledConfig": "decoupled_diloco.config",
+    "SyncerConfig": "decoupled_diloco.config",
+    "CompressionConfig": "decoupled_diloco.config",
     "MoEConfig": "decoupled_diloco.config",
-    "MoETransformer": "decoupled_diloco.models.moe",
-    "ViT": "decoupled_diloco.models.vit",
+    "ConfigError": "decoupled_diloco.config",
+    "from_config_dict": "decoupled_diloco.config",
+    "as_config_dict": "decoupled_diloco.config",
+    "validate": "decoupled_diloco.config",
+    # What is trained: the task, its islands, the synchronous trainers.
     "Task": "decoupled_diloco.tasks",
     "make_task": "decoupled_diloco.tasks",
-    "load_dataset": "decoupled_diloco.tasks",
-    "load_images": "decoupled_diloco.data.vision",
-    # Compression, chaos, goodput, reports, the simulator (issue 7's public surface).
-    "CompressionConfig": "decoupled_diloco.config",
-    "Codec": "decoupled_diloco.core.compression",
-    "codec_for": "decoupled_diloco.core.compression",
-    "ring_allreduce_bytes": "decoupled_diloco.core.compression",
-    "ChaosSchedule": ("decoupled_diloco.chaos.faults", "Schedule"),
-    "Fault": "decoupled_diloco.chaos.faults",
-    "FailureModel": "decoupled_diloco.chaos.faults",
+    "Island": "decoupled_diloco.island",
+    "DiLoCoTrainer": "decoupled_diloco.trainers",
+    "DataParallelTrainer": "decoupled_diloco.trainers",
+    # The decoupled processes, in one process or many.
+    "Learner": "decoupled_diloco.learner.loop",
+    "DecoupledSync": "decoupled_diloco.learner.link",
+    "SyncerServer": "decoupled_diloco.syncer.server",
+    "SyncerState": "decoupled_diloco.syncer.state",
+    "SyncerClient": "decoupled_diloco.comm.client",
+    # The outer math every mode shares.
+    "outer_gradient": "decoupled_diloco.core.outer",
+    "outer_round": "decoupled_diloco.core.outer",
+    "merge_back": "decoupled_diloco.core.outer",
+    "make_outer_optimizer": "decoupled_diloco.core.outer",
+    # Faults, goodput, reports, the simulator.
     "load_chaos": ("decoupled_diloco.chaos.faults", "load"),
-    "Timeline": "decoupled_diloco.obs.timeline",
-    "Goodput": "decoupled_diloco.obs.timeline",
     "analyze_goodput": ("decoupled_diloco.obs.timeline", "analyze"),
     "load_timeline": ("decoupled_diloco.obs.timeline", "load"),
-    "GlobalEvaluator": "decoupled_diloco.local.evaluator",
-    "MetricsWriter": "decoupled_diloco.obs.metrics",
     "write_report": "decoupled_diloco.obs.report",
     "SimConfig": "decoupled_diloco.sim",
     "simulate": "decoupled_diloco.sim",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -8,7 +8,6 @@ held-out batches, and writes `metrics.jsonl` and `summary.json`.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import time
 from collections.abc import Sequence
@@ -42,17 +41,19 @@ def build_trainer(
     corpus: data_lib.Corpus | tasks.Dataset | Any,
     devices: Sequence[jax.Device],
     checkpoint_dir: pathlib.Path | None = None,
+    controls: Sequence[Any] = (),
 ) -> DataParallelTrainer | DiLoCoTrainer:
     """The trainer for `config.mode`, with one data shard per learner.
 
-    `corpus` is the task's data: a text `Corpus`, an image set or a `tasks.Dataset`.
+    `corpus` is the task's data: a text `Corpus`, an image set or a `tasks.Dataset`;
+    `controls`: per learner, live fault controls (`chaos.faults.Controls`) or None.
     """
     dataset = tasks.load_dataset(config, corpus)
     iterators = [
         dataset.train_iterator(config.data.batch_size, learner_id, config.num_learners, config.seed)
         for learner_id in range(config.num_learners)
     ]
-    return TRAINERS[config.mode](config, devices, iterators, checkpoint_dir)
+    return TRAINERS[config.mode](config, devices, iterators, checkpoint_dir, controls)
 
 
 def train_and_evaluate(
@@ -61,6 +62,7 @@ def train_and_evaluate(
     devices: Sequence[jax.Device] | None = None,
     stop_after: int | None = None,
     corpus: data_lib.Corpus | None = None,
+    supervised_controls: Sequence[Any] | None = None,
 ) -> RunResult:
     """Trains `config` in `workdir`, resuming from its newest readable checkpoint.
 
@@ -70,6 +72,9 @@ def train_and_evaluate(
       devices: devices to use (default: all); learner i gets the i-th slice.
       stop_after: stop (with a checkpoint) after this global step, as a preemption would.
       corpus: pre-loaded data, a text corpus or an image set (default: load `config.data`).
+      supervised_controls: set in the child process a fault supervisor runs (see
+        `local.supervisor.run_synchronous`): each learner's live fault controls. None: this
+        process supervises itself when `config.chaos` names a schedule.
 
     Returns:
       The summary and the final global parameters (host arrays).
@@ -82,7 +87,7 @@ def train_and_evaluate(
         return RunResult(summary=summary, params=params)
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(config, device_count=len(devices))
-    supervised = bool(os.environ.get(CHILD_ENV))  # this process is the one a supervisor runs
+    supervised = supervised_controls is not None  # the process a supervisor runs
     if config.chaos and not supervised:
         # Under faults the job runs in a child process that a fault can kill -9 (see
         # `supervisor.run_synchronous`); here we only supervise it.
@@ -99,7 +104,7 @@ def train_and_evaluate(
     val_batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
     workdir = pathlib.Path(workdir) if workdir is not None else None
     checkpoint_dir = workdir / "checkpoints" if workdir and config.checkpoint.every else None
-    trainer = build_trainer(config, dataset, devices, checkpoint_dir)
+    trainer = build_trainer(config, dataset, devices, checkpoint_dir, supervised_controls or ())
     timeline = _timeline(config, workdir, fresh=not supervised, t_start=t_wall)
     _mark(timeline, "restoring")
     start_step = trainer.restore() if checkpoint_dir else 0
@@ -203,9 +208,6 @@ def train_and_evaluate(
         writer.close()
         write_summary(workdir, summary)
     return RunResult(summary=summary, params=params)
-
-
-CHILD_ENV = "DD_CHAOS_CHILD"  # set by `supervisor.run_synchronous` in the process it runs
 
 
 def _timeline(

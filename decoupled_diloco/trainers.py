@@ -30,39 +30,39 @@ PyTree = Any
 
 
 def slow_down(
-    config: ExperimentConfig, learners: int | Sequence[int], t_start: float, loss: jax.Array
+    config: ExperimentConfig,
+    learners: int | Sequence[int],
+    t_start: float,
+    loss: jax.Array,
+    controls: Sequence[Any] = (),
 ) -> None:
     """Stretches a step to `slowdown` times its length if one of `learners` is slow.
 
     A stand-in for older hardware: the step is finished, then the learner sleeps
     (slowdown - 1) times as long as the step took. A learner is slow if it is
-    `config.slow_learner`, or while a fault schedule slows it (`chaos` controls).
+    `config.slow_learner`, or while a fault schedule slows it (`controls[i]`, a
+    `chaos.faults.Controls` or None per learner).
     """
     ids = [learners] if isinstance(learners, int) else list(learners)
     factor = max(
         [config.slowdown if i == config.slow_learner else 1.0 for i in ids]
-        + [_chaos_slowdown(i) for i in ids]
+        + [controls[i].slowdown() for i in ids if i < len(controls) and controls[i] is not None]
     )
     if factor > 1:
         loss.block_until_ready()
         time.sleep((factor - 1) * (time.perf_counter() - t_start))
 
 
-_CONTROLS: dict[int, Any] = {}
-
-
-def _chaos_slowdown(learner: int) -> float:
-    """The slow-down a fault schedule puts on `learner` now (1 without one)."""
-    if learner not in _CONTROLS:
-        from decoupled_diloco.chaos import faults as chaos
-
-        _CONTROLS[learner] = chaos.Controls.from_env(learner)
-    controls = _CONTROLS[learner]
-    return controls.slowdown() if controls is not None else 1.0
-
-
 class DataParallelTrainer:
-    """Synchronous data parallelism over the M learners' devices and data shards."""
+    """Synchronous data parallelism over the M learners' devices and data shards.
+
+    Args:
+      config: the experiment.
+      devices: every learner's devices, learner i's slice after learner i − 1's.
+      iterators: each learner's data shard.
+      checkpoint_dir: where checkpoints go (None: no checkpoints).
+      controls: per learner, live fault controls (`chaos.faults.Controls`) or None.
+    """
 
     def __init__(
         self,
@@ -70,9 +70,10 @@ class DataParallelTrainer:
         devices: Sequence[jax.Device],
         iterators: Sequence[grain.DatasetIterator],
         checkpoint_dir: pathlib.Path | None,
+        controls: Sequence[Any] = (),
     ):
         m, (data_axis, model_axis) = config.num_learners, config.mesh.shape
-        self.config = config
+        self.config, self.controls = config, list(controls)
         self.iterators = list(iterators)
         self.island = Island(
             config,
@@ -97,7 +98,7 @@ class DataParallelTrainer:
         t_start = time.perf_counter()
         self.state, loss = self.island.step(self.state, batch)
         # Every learner's devices are in this one step: a slow learner slows all of them.
-        slow_down(self.config, range(self.config.num_learners), t_start, loss)
+        slow_down(self.config, range(self.config.num_learners), t_start, loss, self.controls)
         return [loss], True
 
     def global_params(self) -> Params:
@@ -124,7 +125,7 @@ class DataParallelTrainer:
 
 
 class DiLoCoTrainer:
-    """Synchronous DiLoCo: M islands, an outer step every H inner steps."""
+    """Synchronous DiLoCo: M islands, an outer step every H inner steps (args: as `dp`'s)."""
 
     def __init__(
         self,
@@ -132,8 +133,9 @@ class DiLoCoTrainer:
         devices: Sequence[jax.Device],
         iterators: Sequence[grain.DatasetIterator],
         checkpoint_dir: pathlib.Path | None,
+        controls: Sequence[Any] = (),
     ):
-        self.config = config
+        self.config, self.controls = config, list(controls)
         self.iterators = list(iterators)
         per = config.devices_per_learner
         self.islands = [
@@ -174,7 +176,7 @@ class DiLoCoTrainer:
         for i, island in enumerate(self.islands):
             t_start = time.perf_counter()
             self.states[i], loss = island.step(self.states[i], next(self.iterators[i]))
-            slow_down(self.config, i, t_start, loss)
+            slow_down(self.config, i, t_start, loss, self.controls)
             losses.append(loss)
         round_done = step % self.config.inner_steps == 0 or step == self.config.train_steps
         if round_done:

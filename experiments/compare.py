@@ -15,8 +15,6 @@ tokens and vs wall time, wall time, goodput and uptime, bytes sent. A mode whose
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import pathlib
 import subprocess
 import sys
@@ -26,6 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco.local.runs import finished
 from decoupled_diloco.obs.report import finite
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
@@ -53,19 +52,6 @@ def run_mode(config_file: pathlib.Path, mode: str, workdir: pathlib.Path) -> Non
     result = subprocess.run(command, cwd=ROOT, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"the {mode} run failed (exit {result.returncode}); see above")
-
-
-def finished(workdir: pathlib.Path, config: config_lib.ExperimentConfig) -> bool:
-    """Whether `workdir` holds a finished run of exactly `config` (so it need not run again)."""
-    path = workdir / "summary.json"
-    if not path.exists():
-        return False
-    try:
-        return json.loads(path.read_text()).get("config") == json.loads(
-            json.dumps(dataclasses.asdict(config))  # tuples become lists, as in the file
-        )
-    except json.JSONDecodeError:
-        return False
 
 
 def _cell(x: object, spec: str) -> str:

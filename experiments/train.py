@@ -11,6 +11,8 @@ Kept short on purpose: the logic is `decoupled_diloco.train.train_and_evaluate`,
 from Colab and research code.
 """
 
+import os
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -33,10 +35,16 @@ def main(argv: list[str]) -> None:
     except config_lib.ConfigError as error:
         raise app.UsageError(str(error)) from None
     configure_cpu_devices(config.num_learners * config.devices_per_learner)
+    from decoupled_diloco.chaos import faults
+    from decoupled_diloco.local.supervisor import CHILD_ENV
     from decoupled_diloco.train import train_and_evaluate
 
+    # Run by a fault supervisor (a `dp`/`diloco` run under chaos): the learners' live controls.
+    controls = None
+    if os.environ.get(CHILD_ENV):
+        controls = [faults.Controls.from_env(i) for i in range(config.num_learners)]
     try:
-        result = train_and_evaluate(config, _WORKDIR.value)
+        result = train_and_evaluate(config, _WORKDIR.value, supervised_controls=controls)
     except config_lib.ConfigError as error:  # e.g. too few devices: a message, not a traceback
         raise app.UsageError(str(error)) from None
     s = result.summary

@@ -8,8 +8,8 @@ import pathlib
 import pytest
 
 from decoupled_diloco.obs import timeline as timeline_lib
+from decoupled_diloco.sim import calibration as calibrate_sim
 from decoupled_diloco.sim import goodput_from_schedule
-from tools import calibrate_sim
 
 T0 = 1_000_000.0
 

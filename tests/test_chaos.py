@@ -271,9 +271,9 @@ def test_degraded_link_drops_requests_and_replies_and_adds_latency(tmp_path, mon
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     monkeypatch.setenv(chaos.DIR_ENV, str(tmp_path))
-    monkeypatch.setenv(chaos.LEARNER_ENV, "0")
     chaos.write_controls(tmp_path, 0, {"seed": 0, "drop": 0.3, "latency_s": 0.01})
-    channel = faulty_link.wrap(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    link = faulty_link.DegradedLink(chaos.Controls.from_env(0), 0)
+    channel = grpc.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), link)
     try:
         echo_call = channel.unary_unary("/t/Echo")
         outcomes = {"ok": 0, "request": 0, "reply": 0}

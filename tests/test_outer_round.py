@@ -7,8 +7,9 @@ import pytest
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.core import outer
 from decoupled_diloco.island import InnerState
+from decoupled_diloco.syncer.records import Push
 from decoupled_diloco.syncer.server import initial_fragments
-from decoupled_diloco.syncer.state import Push, SyncerState
+from decoupled_diloco.syncer.state import SyncerState
 from decoupled_diloco.tasks import make_task
 from decoupled_diloco.trainers import DiLoCoTrainer
 from tests.conftest import tiny_config

@@ -246,8 +246,9 @@ class _Clock:
 
 
 def test_grace_window_follows_eq3_with_emas_and_waits_for_a_second_learner():
+    from decoupled_diloco.syncer.records import Push, grace_window
     from decoupled_diloco.syncer.server import initial_fragments
-    from decoupled_diloco.syncer.state import Push, SyncerState, grace_window
+    from decoupled_diloco.syncer.state import SyncerState
 
     config = _config(
         **{

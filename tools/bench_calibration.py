@@ -14,7 +14,7 @@ import pathlib
 import sys
 
 from decoupled_diloco.obs import timeline as timeline_lib
-from tools import calibrate_sim
+from decoupled_diloco.sim import calibration as calibrate_sim
 from tools.run_benchmarks import machine_description
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

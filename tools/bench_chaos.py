@@ -21,6 +21,7 @@ learners' timelines (`decoupled_diloco.obs.timeline`, definitions in docs/DESIGN
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -34,13 +35,25 @@ import time
 from concurrent import futures
 from typing import Any
 
+from decoupled_diloco.local import runs
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.obs.timeline_plot import plot_goodput, plot_timeline
-from experiments.configs.tiny_lm_decoupled import BEFORE_GATHER
 from tools.run_benchmarks import machine_description
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+# The decoupled settings these benchmarks were measured with (tiny_lm_decoupled's before
+# 2026-11-30: τ=2, merges of whatever arrived, outer lr 1/M), pinned to stay reproducible; the
+# defaults have since moved to "gather + share" (docs/concepts.md). As `--config.KEY` overrides.
+BEFORE_GATHER = {
+    "outer.lr": 0.5,
+    "decoupled.overlap_steps": 2,
+    "decoupled.keep_overlap": False,
+    "decoupled.grace_safety": 0.5,
+    "decoupled.syncer.max_grace_s": 2.0,
+    "decoupled.partial_merge": "mean",
+    "decoupled.apply_on_arrival": False,
+}
 # Decoupled runs under faults keep one warm standby learner (docs/chaos.md, "Warm standby"):
 # a restart activates it instead of starting a new process.
 STANDBY = {"supervisor.standby": 1}
@@ -71,11 +84,13 @@ def run(
 
 
 def _key(config: str, overrides: dict[str, Any], cap_s: float | None) -> str:
-    """What makes two runs the same (a schedule by its file name: the root may differ)."""
-    overrides = dict(overrides)
-    if "chaos" in overrides:
-        overrides["chaos"] = pathlib.Path(overrides["chaos"]).name
-    return json.dumps({"config": config, "overrides": overrides, "cap_s": cap_s}, sort_keys=True)
+    """What makes two runs the same: the whole config they resolve to (`local.runs.resolve`,
+    defaults included; a schedule by its file name: the root may differ), and the cap.
+    """
+    resolved = dataclasses.asdict(runs.resolve(config, overrides))
+    if resolved["chaos"]:
+        resolved["chaos"] = pathlib.Path(resolved["chaos"]).name
+    return json.dumps({"config": resolved, "cap_s": cap_s}, sort_keys=True)
 
 
 def _run(

@@ -20,11 +20,10 @@ import argparse
 import datetime
 import json
 import pathlib
-import subprocess
-import sys
 import time
 from typing import Any
 
+from decoupled_diloco.local.runs import run_or_reuse
 from tools import bench_decoupled, bench_quality
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -122,15 +121,9 @@ def run(name: str, overrides: dict, workroot: pathlib.Path) -> dict:
     tag = "compression_" + "".join(c if c.isalnum() else "_" for c in name)
     args = {**BASE, **overrides}
     workdir = workroot / tag
-    flags = [*bench_quality.COMMON, *(f"--config.{k}={v}" for k, v in args.items())]
-    cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *flags]
-    path = workdir / "summary.json"
-    done = path.exists() and json.loads(path.read_text())["steps_done"] == args["train_steps"]
-    print("[bench_compression]", "reusing" if done else "running", " ".join(cmd[1:]), flush=True)
-    if not done:
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads(path.read_text())
-    summary["command"] = "python " + " ".join(cmd[1:]).replace(str(workroot), "runs/bench")
+    overrides = {**bench_quality.COMMON, **args}
+    summary = run_or_reuse(bench_quality.CONFIG, overrides, workdir, tag="bench_compression")
+    summary["command"] = summary["command"].replace(str(workroot), "runs/bench")
     return summary
 
 

@@ -18,9 +18,8 @@ import argparse
 import datetime
 import json
 import pathlib
-import subprocess
-import sys
 
+from decoupled_diloco.local.runs import run_or_reuse
 from tools import bench_quality
 from tools.decoupled_variants import (
     DECOUPLED,
@@ -45,18 +44,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def run(name: str, args: dict, workroot: pathlib.Path) -> dict:
     """Runs `python -m experiments.train` with `args` (or reuses its finished output)."""
     workdir = workroot / name
-    flags = [*bench_quality.COMMON, *(f"--config.{k}={v}" for k, v in args.items())]
-    cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *flags]
-    summary_path = workdir / "summary.json"
-    done = (
-        summary_path.exists()
-        and json.loads(summary_path.read_text())["steps_done"] == (args["train_steps"])
-    )
-    print("[bench_decoupled]", "reusing" if done else "running", " ".join(cmd[1:]), flush=True)
-    if not done:
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads(summary_path.read_text())
-    summary["command"] = "python " + " ".join(cmd[1:]).replace(str(workroot), "runs/bench")
+    overrides = {**bench_quality.COMMON, **args}
+    summary = run_or_reuse(bench_quality.CONFIG, overrides, workdir, tag="bench_decoupled")
+    summary["command"] = summary["command"].replace(str(workroot), "runs/bench")
     summary["metrics"] = [json.loads(x) for x in (workdir / "metrics.jsonl").open()]
     return summary
 

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
-import subprocess
-import sys
+
+from decoupled_diloco.local.runs import run_or_reuse
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 300
@@ -126,16 +125,8 @@ LOCAL_STEPS = (
 def run(name: str, config_file: str, args: dict, workroot: pathlib.Path) -> dict:
     """Runs `python -m experiments.train` with `args` (or reuses its finished output)."""
     workdir = workroot / name
-    flags = [f"--config=experiments/configs/{config_file}"]
-    flags += [f"--config.{k}={v}" for k, v in args.items()]
-    cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *flags]
-    summary_path = workdir / "summary.json"
-    done = summary_path.exists() and json.loads(summary_path.read_text())["steps_done"] == STEPS
-    print("[bench_models]", "reusing" if done else "running", " ".join(cmd[1:]), flush=True)
-    if not done:
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads(summary_path.read_text())
-    summary["command"] = "python " + " ".join(cmd[1:]).replace(str(workroot), "runs/bench_models")
+    summary = run_or_reuse(f"experiments/configs/{config_file}", args, workdir, tag="bench_models")
+    summary["command"] = summary["command"].replace(str(workroot), "runs/bench_models")
     return summary
 
 

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import pathlib
-import shlex
-import subprocess
-import sys
+
+from decoupled_diloco.local.runs import run_or_reuse
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTING = {
@@ -61,24 +58,8 @@ def run(
     workdir = workroot / f"p{processes}_seed{seed}_steps{steps}{tag}"
     args = {**SETTING, **(extra or {}), "train_steps": steps, "seed": seed}
     args["decoupled.island_processes"] = processes
-    flags = [f"--config.{k}={v}" for k, v in args.items()]
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.train",
-        "--config=experiments/configs/tiny_lm.py",
-        f"--workdir={workdir}",
-        *flags,
-    ]
-    summary = workdir / "summary.json"
-    if not summary.exists():
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
-        print("[bench_multihost]", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
-    result = json.loads(summary.read_text())
-    shown = [x.replace(str(ROOT) + "/", "") for x in ["python", *cmd[1:]]]
-    return {"cmd": shlex.join(shown), **result}
+    result = run_or_reuse("experiments/configs/tiny_lm.py", args, workdir, tag="bench_multihost")
+    return {"cmd": result["command"], **result}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
-import subprocess
-import sys
 import time
 
+from decoupled_diloco.local.runs import run_or_reuse
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-COMMON = [
-    "--config=experiments/configs/tiny_lm.py",
-    "--config.eval.batches=32",
-    "--config.eval.every=500",
-    "--config.checkpoint.every=0",
-    "--config.log_every=100",
-]
+CONFIG = "experiments/configs/tiny_lm.py"
+COMMON = {"eval.batches": 32, "eval.every": 500, "checkpoint.every": 0, "log_every": 100}
 SHORT = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
 LONG = {"num_learners": 4, "inner_steps": 50, "train_steps": 2000}
 # Outer optimizer settings (lr, momentum, nesterov) swept for `diloco`: the DiLoCo default
@@ -37,20 +31,11 @@ def run(name: str, mode: str, setting: dict, outer_cfg: tuple, workroot: pathlib
     """Runs one training process (or reuses its finished output) and returns its summary."""
     workdir = workroot / name.replace(":", "_").replace(" ", "_")
     lr, momentum, nesterov = outer_cfg
-    args = [*COMMON, f"--config.mode={mode}", f"--config.outer.lr={lr}"]
-    args += [f"--config.outer.momentum={momentum}", f"--config.outer.nesterov={nesterov}"]
-    args += [f"--config.{k}={v}" for k, v in setting.items()]
-    cmd = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *args]
-    summary_path = workdir / "summary.json"
-    done = (
-        summary_path.exists()
-        and json.loads(summary_path.read_text())["steps_done"] == (setting["train_steps"])
-    )
-    print("[bench_quality]", "reusing" if done else "running", " ".join(cmd[1:]), flush=True)
-    if not done:  # A finished run of the same command is reused; delete its dir to rerun.
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    summary = json.loads(summary_path.read_text())
-    summary["command"] = "python " + " ".join(cmd[1:]).replace(str(workroot), "runs/bench")
+    overrides = {**COMMON, "mode": mode, "outer.lr": lr, "outer.momentum": momentum}
+    overrides |= {"outer.nesterov": nesterov, **setting}
+    # A finished run of the same config is reused; delete its dir to rerun.
+    summary = run_or_reuse(CONFIG, overrides, workdir, tag="bench_quality")
+    summary["command"] = summary["command"].replace(str(workroot), "runs/bench")
     return summary
 
 

@@ -1,200 +1,26 @@
-"""Planning numbers: compute utilisation a learner can expect on a link, and the bandwidth it needs.
+"""`python -m tools.plan_bandwidth`: compute utilisation on a link and the bandwidth it needs.
 
 Examples:
     python -m tools.plan_bandwidth --params=1B --step_time_s=0.1   # H=100, P=8, tau=1, 4 bit
     python -m tools.plan_bandwidth --params=12B --step_time_s=1 --bandwidth_gbps=2.5 --json
     python -m tools.plan_bandwidth --paper_table   # side by side with Streaming DiLoCo, Table 4
 
-The model (a closed form, not a simulation) and every assumption it makes:
-
-* One inner step costs `step_time_s` of compute. The last `backward_fraction` of it (the backward
-  pass: 2/3 of a transformer step's FLOPs) can hide communication that starts with the step, as in
-  Streaming DiLoCo's simulation, where (outer-)gradient reductions overlap the backward pass.
-* Bytes on the wire per learner and direction, for a payload of `n` parameters at `b` bits:
-  `allreduce` topology (M learners, ring all-reduce): `2 (M-1)/M * n * b`, full duplex;
-  `syncer` topology (this framework: learner <-> syncer star): up `n * b`, down `n * down_bits`,
-  full duplex, so the slower direction counts. With M = 2 both topologies move the same bits.
-  A transfer takes `latency_s + bits / bandwidth`. Nothing else (no protocol overhead, no
-  congestion, no stragglers, no failures: see tools/simulate_goodput.py for those).
-* `dp`: every step all-reduces the full gradient at `dp_bits` (bf16 = 16); the step waits for the
-  part of the transfer that the backward pass does not hide:
-  `wall = t + max(0, c - backward_fraction * t)`.
-* `diloco`: every H steps the whole model's outer gradient at `dp_bits`, hidden only by one
-  backward pass (no overlap across steps).
-* `streaming` (Streaming DiLoCo / this framework's decoupled mode): P fragments of N/P parameters,
-  each synced every H steps at staggered offsets, at `bits` (4 = FP4/int4 outer gradients). A
-  fragment's transfer may run for `tau` further steps plus one backward pass before the learner
-  needs the merged values; beyond that window the learner waits. Transfers share the link one at a
-  time, so if P transfers do not fit in H steps the link is the bottleneck:
-  `wall per H steps = max(H t + P * max(0, c_p - (tau + backward_fraction) t), P * c_p)`.
-* Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
-  for a target utilisation is found by bisection; `inf` when latency alone rules the target out.
-
-Against Streaming DiLoCo's simulated Table 4 (H=100, two workers, FP4, 1B / 10B / 100B models at
-0.1 / 0.8 / 4.9 s per step), this reproduces the 95% column within 1.25x for both data-parallel and
-streaming, with P = 8 / 16 / 40 fragments. That P follows the paper's 3 transformer layers per
-fragment for 24 / 48 / 120 layers: the layer counts are our assumption, the table does not list
-them. The paper's 99% column is higher than this model gives (its simulator has effects we do not
-model, e.g. per-layer scheduling); treat numbers above ~95% as optimistic.
+The model and every assumption it makes: `decoupled_diloco.sim.bandwidth`.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 
-MODES = ("dp", "diloco", "streaming")
-TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
-_SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-
-# Streaming DiLoCo, Table 4 ([P] in reference/literature.md): Gbit/s for 50/80/90/95/99%
-# utilisation. Fragment counts are ours (3 layers per fragment on 24 / 48 / 120 layers), see the
-# module docstring.
-PAPER_TABLE = (
-    # (params, step_time_s, fragments, dp Gbit/s, streaming+overlap+FP4 Gbit/s)
-    (1e9, 0.1, 8, (86.8, 152.6, 184.2, 222.3, 569.0), (0.4, 0.9, 1.7, 2.0, 3.0)),
-    (10e9, 0.8, 16, (104.8, 222.3, 222.3, 268.3, 471.5), (0.4, 0.9, 1.4, 1.4, 1.7)),
-    (100e9, 4.9, 40, (184.2, 323.8, 390.7, 390.7, 471.5), (0.5, 0.9, 1.1, 1.1, 1.4)),
-)
-PAPER_DILOCO_1B_95 = 23.3  # Gbit/s, vanilla DiLoCo, 1B model, 95% (same source)
-
-
-def parse_count(text: str) -> float:
-    """Parses a parameter count such as `1e9`, `1.3B`, `350M`.
-
-    Raises:
-      argparse.ArgumentTypeError: not a positive number with an optional K/M/B/T suffix.
-    """
-    value = text.strip()
-    scale = _SUFFIX.get(value[-1:].upper(), 1.0) if value else 1.0
-    if scale != 1.0:
-        value = value[:-1]
-    try:
-        count = float(value) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a parameter count: {text!r} (e.g. 1e9, 1.3B)"
-        ) from None
-    if not count > 0:
-        raise argparse.ArgumentTypeError(f"parameter count must be > 0, got {text!r}")
-    return count
-
-
-def _positive(name: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
-
-
-def _transfer_s(args: argparse.Namespace, params: float, bits: float, gbps: float) -> float:
-    """Seconds one payload of `params` parameters occupies this learner's link."""
-    if args.topology == "allreduce":
-        m = args.num_learners
-        wire = 2.0 * (m - 1) / m * params * bits
-    else:  # syncer star: up and down in parallel (full duplex); the slower direction counts
-        wire = params * max(bits, args.down_bits or bits)
-    return args.latency_s + wire / (gbps * 1e9)
-
-
-def utilisation(args: argparse.Namespace, mode: str, gbps: float) -> float:
-    """Fraction of wall-clock time spent computing, for `mode` on a `gbps` Gbit/s link."""
-    _positive("bandwidth", gbps)
-    t, hide = args.step_time_s, args.backward_fraction * args.step_time_s
-    if mode == "dp":
-        c = _transfer_s(args, args.params, args.dp_bits, gbps)
-        return t / (t + max(0.0, c - hide))
-    h = args.inner_steps
-    if mode == "diloco":
-        c = _transfer_s(args, args.params, args.dp_bits, gbps)
-        return h * t / (h * t + max(0.0, c - hide))
-    if mode == "streaming":
-        p = args.fragments
-        c = _transfer_s(args, args.params / p, args.bits, gbps)
-        window = args.overlap_steps * t + hide
-        wall = max(h * t + p * max(0.0, c - window), p * c)
-        return h * t / wall
-    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-
-
-def bandwidth_for(args: argparse.Namespace, mode: str, target: float) -> float:
-    """Smallest bandwidth (Gbit/s) giving utilisation >= target; inf when none does."""
-    if not 0.0 < target < 1.0:
-        raise ValueError(f"target utilisation must be in (0, 1), got {target}")
-    lo, hi = 1e-9, 1e9
-    if utilisation(args, mode, hi) < target:
-        return math.inf  # latency (or a window too short at any speed) rules it out
-    for _ in range(200):  # bisection in log space: 1e-9..1e9 to ~1e-12 relative
-        mid = math.sqrt(lo * hi)
-        if utilisation(args, mode, mid) >= target:
-            hi = mid
-        else:
-            lo = mid
-        if hi / lo < 1 + 1e-9:
-            break
-    return hi
-
-
-def plan(args: argparse.Namespace) -> dict:
-    """Bandwidth per target and (with --bandwidth_gbps) utilisation, for every mode."""
-    check_args(args)
-    out: dict = {
-        "inputs": {k: v for k, v in vars(args).items() if k not in ("json", "paper_table")}
-    }
-    for mode in MODES:
-        row = {f"gbps_for_{round(100 * q)}pct": bandwidth_for(args, mode, q) for q in args.targets}
-        if args.bandwidth_gbps:
-            row["utilisation"] = utilisation(args, mode, args.bandwidth_gbps)
-        out[mode] = row
-    if args.topology == "syncer":
-        # The syncer (all shards together) carries every learner's traffic.
-        gb95 = out["streaming"].get("gbps_for_95pct")
-        if gb95 is not None:
-            out["streaming"]["syncer_total_gbps_for_95pct"] = gb95 * args.num_learners
-    return out
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Validates the inputs, naming the bad one."""
-    for name in ("params", "step_time_s", "bits", "dp_bits"):
-        _positive(name, getattr(args, name))
-    for name in ("inner_steps", "fragments", "num_learners"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
-    if args.topology == "allreduce" and args.num_learners < 2:
-        raise ValueError("allreduce topology needs num_learners >= 2")
-    if args.fragments > args.inner_steps:
-        raise ValueError(f"fragments ({args.fragments}) > inner_steps ({args.inner_steps})")
-    if args.overlap_steps < 0 or args.latency_s < 0 or args.down_bits < 0:
-        raise ValueError("overlap_steps, latency_s and down_bits must be >= 0")
-    if not 0.0 <= args.backward_fraction <= 1.0:
-        raise ValueError(f"backward_fraction must be in [0, 1], got {args.backward_fraction}")
-    if args.bandwidth_gbps < 0:
-        raise ValueError(f"bandwidth_gbps must be >= 0, got {args.bandwidth_gbps}")
-
-
-def paper_rows() -> list[dict]:
-    """This model next to Streaming DiLoCo's Table 4 (two workers, H=100, FP4, tau=1)."""
-    rows = []
-    for params, step, frags, dp_ref, st_ref in PAPER_TABLE:
-        args = _parser().parse_args(
-            [
-                f"--params={params}",
-                f"--step_time_s={step}",
-                f"--fragments={frags}",
-                "--topology=allreduce",
-                "--num_learners=2",
-            ]
-        )
-        for mode, ref in (("dp", dp_ref), ("streaming", st_ref)):
-            ours = [bandwidth_for(args, mode, q) for q in TARGETS]
-            rows.append(
-                {"params": params, "step_time_s": step, "mode": mode, "ours": ours, "paper": ref}
-            )
-    return rows
+from decoupled_diloco.sim import bandwidth
+from decoupled_diloco.sim.bandwidth import MODES, TARGETS, LinkPlan, paper_rows, parse_count, plan
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=bandwidth.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--params", type=parse_count, default=1e9, help="model size, e.g. 1B")
     p.add_argument("--step_time_s", type=float, default=0.1, help="compute time of one inner step")
@@ -213,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth_gbps", type=float, default=0.0, help="link; 0: only the needs")
     p.add_argument(
         "--targets",
-        type=lambda s: [float(x) for x in s.split(",") if x],
-        default=list(TARGETS),
+        type=lambda s: tuple(float(x) for x in s.split(",") if x),
+        default=TARGETS,
         help="comma-separated utilisation targets",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -226,11 +52,19 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.3g}"
 
 
+def link_plan(args: argparse.Namespace) -> LinkPlan:
+    """The parsed flags as the model's inputs."""
+    return LinkPlan(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(LinkPlan)},
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.paper_table:
+    parsed = _parser().parse_args(argv)
+    args = link_plan(parsed)
+    if parsed.paper_table:
         rows = paper_rows()
-        if args.json:
+        if parsed.json:
             print(json.dumps(rows, indent=2))
             return 0
         print("Gbit/s for " + " / ".join(f"{round(100 * q)}%" for q in TARGETS) + " utilisation")
@@ -244,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"plan_bandwidth: {e}", file=sys.stderr)
         return 2
-    if args.json:
+    if parsed.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
     print(

@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from decoupled_diloco.comm import faulty_link, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
+from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.retry import Backoff, retry
 from decoupled_diloco.config import SyncerConfig
 from decoupled_diloco.core.fragments import TensorSpec
@@ -27,12 +27,21 @@ class SyncerClient:
       address: HOST:PORT of the syncer.
       config: transport settings (chunk size, deadlines, retries, TLS).
       token: the run token (default: from config or `DD_RUN_TOKEN`).
+      link: an interceptor on the channel: under a fault schedule, the learner's degraded link
+        (`faulty_link.DegradedLink`); None: the plain channel.
     """
 
-    def __init__(self, address: str, config: SyncerConfig, token: str = ""):
+    def __init__(
+        self,
+        address: str,
+        config: SyncerConfig,
+        token: str = "",
+        link: grpc.UnaryUnaryClientInterceptor | None = None,
+    ):
         self.address, self.config = address, config
-        # Under a fault schedule, a learner's link is degraded here (`faulty_link`).
-        self.channel = faulty_link.wrap(wire.make_channel(address, config))
+        self.channel = wire.make_channel(address, config)
+        if link is not None:
+            self.channel = grpc.intercept_channel(self.channel, link)
         self.stub = pb_grpc.SyncerStub(self.channel)
         # The data calls move pre-encoded chunks (see `wire.data_chunk`): raw bytes both ways.
         self._push = self.channel.stream_unary(

@@ -1,9 +1,9 @@
 """A degraded learner <-> syncer link, in our own transport layer (no root, no `tc`).
 
-`wrap(channel)` puts a client interceptor on a learner's gRPC channel when the process runs
-under a fault schedule (`$DD_CHAOS_DIR` and `$DD_CHAOS_LEARNER` set by the launcher). The
-interceptor reads the learner's control file (`chaos.Controls`) on every call, so a link fault
-starts and ends while the learner runs:
+A `DegradedLink` is a client interceptor that a learner under a fault schedule puts on its gRPC
+channels (`SyncerClient(..., link=...)`; the learner's entry point finds its controls from
+`$DD_CHAOS_DIR` and `$DD_CHAOS_LEARNER`, set by the launcher). It reads the learner's control
+file (`chaos.Controls`) on every call, so a link fault starts and ends while the learner runs:
 
   * `latency_s`: added to every call (half before the request, half after the reply);
   * `bandwidth_mbps`: the streamed chunks of a push or a pull are paced to this rate;
@@ -19,7 +19,6 @@ interleave across threads (so a seed decides, say, which push replies are lost).
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -158,13 +157,3 @@ class DegradedLink(
                 raise DroppedCall("reply")
 
         return replies()
-
-
-def wrap(channel: grpc.Channel) -> grpc.Channel:
-    """`channel` with a `DegradedLink` when this process runs under a fault schedule."""
-    controls = chaos.Controls.from_env()
-    if controls is None:
-        return channel
-    return grpc.intercept_channel(
-        channel, DegradedLink(controls, int(os.environ[chaos.LEARNER_ENV]))
-    )

@@ -35,9 +35,11 @@ def parse_addresses(address: str | Sequence[str]) -> list[str]:
 
 
 def syncer_client(
-    address: str | Sequence[str], config: SyncerConfig, token: str = ""
+    address: str | Sequence[str], config: SyncerConfig, token: str = "", link: Any = None
 ) -> SyncerClient | ShardedClient:
     """A client of one syncer, or of S shards when `address` lists S addresses.
+
+    `link`: an interceptor on every channel (see `SyncerClient`).
 
     Raises:
       ValueError: the number of addresses is not `config.shards`.
@@ -49,8 +51,8 @@ def syncer_client(
             f"decoupled.syncer.shards={config.shards}: give one HOST:PORT per shard, shard 0 first"
         )
     if len(addresses) == 1:
-        return SyncerClient(addresses[0], config, token)
-    return ShardedClient(addresses, config, token)
+        return SyncerClient(addresses[0], config, token, link)
+    return ShardedClient(addresses, config, token, link)
 
 
 class ShardedClient:
@@ -60,11 +62,14 @@ class ShardedClient:
       addresses: HOST:PORT of every shard, shard 0 first.
       config: transport settings.
       token: the run token.
+      link: an interceptor on every shard's channel (see `SyncerClient`).
     """
 
-    def __init__(self, addresses: Sequence[str], config: SyncerConfig, token: str = ""):
+    def __init__(
+        self, addresses: Sequence[str], config: SyncerConfig, token: str = "", link: Any = None
+    ):
         self.config = config
-        self.clients = [SyncerClient(a, config, token) for a in addresses]
+        self.clients = [SyncerClient(a, config, token, link) for a in addresses]
         self.address = ",".join(addresses)
         self._local = threading.local()
 

@@ -42,6 +42,7 @@ from decoupled_diloco.config.schema import (
     SupervisorConfig,
     SyncerConfig,
     mesh_shape_for,
+    overlap_steps,
     parse_mesh_shapes,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "as_config_dict",
     "from_config_dict",
     "mesh_shape_for",
+    "overlap_steps",
     "parse_mesh_shapes",
     "replace",
     "validate",

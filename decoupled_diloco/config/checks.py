@@ -37,9 +37,9 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
         f"{d.fragments} fragments cannot be staggered over H={c.inner_steps} steps (need P <= H)",
     )
     _check(
-        0 <= d.overlap_steps < c.inner_steps,
+        d.overlap_steps == -1 or 0 <= d.overlap_steps < c.inner_steps,
         "decoupled.overlap_steps",
-        f"tau must be in [0, H={c.inner_steps}), got {d.overlap_steps}",
+        f"tau must be -1 (H // 5) or in [0, H={c.inner_steps}), got {d.overlap_steps}",
     )
     _check(
         1 <= d.quorum <= c.num_learners,

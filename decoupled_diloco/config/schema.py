@@ -202,7 +202,7 @@ class SyncerConfig:
     retries: int = 5
     heartbeat_s: float = 0.5
     learner_timeout_s: float = 30.0
-    max_grace_s: float = 2.0
+    max_grace_s: float = 10.0
     max_staleness: int = 4
     shards: int = 1
     snapshot_s: float = 10.0
@@ -212,6 +212,13 @@ class SyncerConfig:
 @dataclasses.dataclass(frozen=True)
 class DecoupledConfig:
     """Decoupled DiLoCo: fragments, overlap, quorum, merge-back and heterogeneity knobs.
+
+    The defaults are the best measured algorithm ("gather + share", benchmarks/results/
+    decoupled.md and merge_lag.md): τ = H/5 steps of overlap give the grace window (γ = 1, up to
+    10 s) room to gather every learner's push of a round into one merge while nobody waits; the
+    steps trained meanwhile are kept (`keep_overlap`); a merge of k of M learners steps k/M of
+    the way (`partial_merge="share"`), so lone pushes are not overweighted; a merge is applied
+    as soon as it arrives (`apply_on_arrival`).
 
     `mesh_shapes` gives each learner its own mesh, e.g. "1x1,2x1" (empty: all use `mesh.shape`).
     `dynamic_local_updates` (Async Local-SGD's DyLU) scales a learner's H by its speed relative
@@ -224,7 +231,9 @@ class DecoupledConfig:
     Attributes:
       fragments: P, groups the parameters are cut into; each is synced on its own staggered
         schedule (P <= H).
-      overlap_steps: τ, inner steps between a fragment's push and applying its merged value.
+      overlap_steps: τ, inner steps between a fragment's push and applying its merged value
+        (with `apply_on_arrival`: the slack that sizes the syncer's grace window); -1: H // 5
+        (10 at H = 50).
       quorum: K, pushes that close a fragment's round (before the grace window).
       alpha: 0 overwrites a fragment with the merged value; α > 0 keeps α·local + (1−α)·global.
       keep_overlap: on arrival, keep the τ steps trained while the fragment was in flight:
@@ -248,18 +257,18 @@ class DecoupledConfig:
       syncer: the syncer's address, security, transport and timing.
     """
 
-    fragments: int = 2
-    overlap_steps: int = 1
+    fragments: int = 4
+    overlap_steps: int = -1
     quorum: int = 1
     alpha: float = 0.0
-    keep_overlap: bool = False
-    apply_on_arrival: bool = False
-    partial_merge: str = "mean"
-    grace_safety: float = 0.5
+    keep_overlap: bool = True
+    apply_on_arrival: bool = True
+    partial_merge: str = "share"
+    grace_safety: float = 1.0
     ema_decay: float = 0.8
     mesh_shapes: str = ""
     dynamic_local_updates: bool = False
-    stale_anchor: str = "syncer"
+    stale_anchor: str = "learner"
     island_processes: int = 1
     syncer: SyncerConfig = SyncerConfig()
 
@@ -408,6 +417,12 @@ class ExperimentConfig:
         if self.model.kind == "vit":  # classification: a "token" is one example
             return self.data.batch_size
         return self.data.batch_size * self.model.seq_len
+
+
+def overlap_steps(config: ExperimentConfig) -> int:
+    """τ: `decoupled.overlap_steps`, or H // 5 where it is -1 (the default)."""
+    tau = config.decoupled.overlap_steps
+    return config.inner_steps // 5 if tau < 0 else tau
 
 
 def parse_mesh_shapes(config: ExperimentConfig) -> list[tuple[int, int]]:

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.config import ExperimentConfig, overlap_steps
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.core import outer
 from decoupled_diloco.learner.encoder import MeshEncoder
@@ -419,7 +419,7 @@ class DecoupledSync:
     def _due_at(self, pushed_at: int) -> int:
         """The step after which a merge answering a push made after `pushed_at` is applied."""
         d = self.config.decoupled
-        return pushed_at + (0 if d.apply_on_arrival else d.overlap_steps)
+        return pushed_at + (0 if d.apply_on_arrival else overlap_steps(self.config))
 
     def _arrived(self, p: int, inbound: Inbound) -> None:
         """Leaves a merged fragment in the inbox (unless a newer one for p is already there)."""

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from decoupled_diloco import runtime, tasks
+from decoupled_diloco.comm.faulty_link import DegradedLink
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
 from decoupled_diloco.island import InnerState, Island
@@ -41,7 +42,8 @@ class Learner:
         `workdir/checkpoints/learner_ID` and resumes from there (see `recovery`).
       island: a prebuilt island of this mesh (a warm standby's, see `standby`), else built here.
       timeline: where state changes are recorded (`obs.timeline.Timeline`), or None.
-      controls: live fault controls (`chaos.faults.Controls`: slow-downs), or None.
+      controls: live fault controls (`chaos.faults.Controls`: slow-downs, a degraded link), or
+        None.
     """
 
     def __init__(
@@ -65,7 +67,9 @@ class Learner:
         devices = devices or jax.devices()[: shape[0] * shape[1]]
         self.mesh_name = f"{shape[0]}x{shape[1]}"
         self.island = island or Island(config, devices, mesh_shape=shape)
-        self.sync = self._make_sync(syncer_client(address, config.decoupled.syncer, token))
+        # Under a fault schedule the link to the syncer is degraded as the controls say.
+        link = DegradedLink(controls, learner_id) if controls is not None else None
+        self.sync = self._make_sync(syncer_client(address, config.decoupled.syncer, token, link))
         # Recovery (`recovery`): checkpoints and the data journal.
         self.checkpoints = (
             recovery.LearnerCheckpoints(

@@ -31,7 +31,8 @@ from absl import logging
 
 from decoupled_diloco.checkpointing import IslandCheckpointer
 from decoupled_diloco.syncer import wal
-from decoupled_diloco.syncer.state import LearnerInfo, Push, PushResult, SyncerState
+from decoupled_diloco.syncer.records import LearnerInfo, Push, PushResult
+from decoupled_diloco.syncer.state import SyncerState
 
 FORMAT = 1
 

@@ -34,7 +34,8 @@ from decoupled_diloco.core import compression
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.core.compression import Codec
 from decoupled_diloco.syncer.downlink import Downlink
-from decoupled_diloco.syncer.state import Push, SyncerState
+from decoupled_diloco.syncer.records import Push
+from decoupled_diloco.syncer.state import SyncerState
 
 
 @functools.lru_cache(maxsize=4)

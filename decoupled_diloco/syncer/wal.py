@@ -26,7 +26,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from decoupled_diloco.syncer.state import LearnerInfo, Push, PushResult, SyncerState
+from decoupled_diloco.syncer.records import LearnerInfo, Push, PushResult
+from decoupled_diloco.syncer.state import SyncerState
 
 _MAGIC = b"DDW1"
 _HEAD = struct.Struct("<4sIQI")  # magic, header bytes, payload bytes, CRC-32

@@ -17,19 +17,6 @@ The same processes by hand (e.g. on separate hosts; the run token in the environ
 
 from decoupled_diloco import config as c
 
-# This config's decoupled settings before 2026-11-30 (τ=2, merges of whatever arrived, outer lr
-# 1/M): the chaos, restart and demo benchmarks were measured with them and pin them to stay
-# reproducible. As `--config.KEY=VALUE` overrides.
-BEFORE_GATHER = {
-    "outer.lr": 0.5,
-    "decoupled.overlap_steps": 2,
-    "decoupled.keep_overlap": False,
-    "decoupled.grace_safety": 0.5,
-    "decoupled.syncer.max_grace_s": 2.0,
-    "decoupled.partial_merge": "mean",
-    "decoupled.apply_on_arrival": False,
-}
-
 
 def get_config():
     return c.as_config_dict(
@@ -49,23 +36,7 @@ def get_config():
             mesh=c.MeshConfig(shape=(1, 1)),
             checkpoint=c.CheckpointConfig(every=0),
             eval=c.EvalConfig(every=50, batches=8),
-            # "gather + share", the best measured at M=2 and M=4 (benchmarks/results/
-            # decoupled.md): τ=10 steps of overlap give the grace window (γ=1, up to 10 s) room
-            # to gather every learner's push of a round into one merge while nobody waits, the
-            # steps trained meanwhile are kept, and a merge of k of M learners steps k/M of
-            # the way, so lone pushes (a learner late or down) are not overweighted. A merge
-            # is applied as soon as it arrives (benchmarks/results/merge_lag.md: the fewer
-            # steps a learner trains away from it, the closer to synchronous DiLoCo).
-            decoupled=c.DecoupledConfig(
-                fragments=4,
-                overlap_steps=10,
-                quorum=1,
-                keep_overlap=True,
-                apply_on_arrival=True,
-                grace_safety=1.0,
-                partial_merge="share",
-                stale_anchor="learner",
-                syncer=c.SyncerConfig(max_grace_s=10.0),
-            ),
+            # The decoupled algorithm is the default one, the best measured ("gather +
+            # share", see `DecoupledConfig`): 4 fragments, τ = H/5, merges applied on arrival.
         )
     )

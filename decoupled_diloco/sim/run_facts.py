@@ -1,4 +1,4 @@
-"""Reads a finished local chaos run into what the goodput simulator needs (tools/calibrate_sim.py).
+"""Reads a finished local chaos run into what the goodput simulator needs (`sim.calibration`).
 
 `extract(RUN_DIR)` reads the run's timelines (`timeline/*.jsonl`), fault events
 (`metrics.jsonl`), config and checkpoint directory, and returns `RunFacts`: the kill schedule,
