@@ -84,8 +84,10 @@ def run(
 
 
 def _key(config: str, overrides: dict[str, Any], cap_s: float | None) -> str:
-    """What makes two runs the same: the whole config they resolve to (`local.runs.resolve`,
-    defaults included; a schedule by its file name: the root may differ), and the cap.
+    """What makes two runs the same: the config they resolve to, and the cap.
+
+    The whole config (`local.runs.resolve`, defaults included); a schedule by its file name
+    (the root may differ).
     """
     resolved = dataclasses.asdict(runs.resolve(config, overrides))
     if resolved["chaos"]:
