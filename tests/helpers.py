@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
+
+import numpy as np
+
+from decoupled_diloco.comm import wire
+from decoupled_diloco.core.fragments import TensorSpec, offset
 
 T = TypeVar("T")
 
@@ -24,3 +29,39 @@ def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: 
             return value
         time.sleep(poll_s)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+# The staggered schedule, stated as its rule (the package keeps only "next due step").
+def is_due(step: int, fragment: int, num_fragments: int, inner_steps: int) -> bool:
+    """Whether fragment p is pushed after inner step `step` (1-based)."""
+    return step >= 1 and (step - offset(fragment, num_fragments, inner_steps)) % inner_steps == 0
+
+
+def due_fragments(step: int, num_fragments: int, inner_steps: int) -> list[int]:
+    """The fragments due after inner step `step`."""
+    return [p for p in range(num_fragments) if is_due(step, p, num_fragments, inner_steps)]
+
+
+def sync_round(step: int, fragment: int, num_fragments: int, inner_steps: int) -> int:
+    """The learner-side round number of fragment p at a due step (0 for its first push)."""
+    return (step - offset(fragment, num_fragments, inner_steps)) // inner_steps
+
+
+# Raw payloads (scheme "none"), as a client of the wire format would build them.
+def to_bytes(arrays: Sequence[np.ndarray]) -> bytes:
+    """The arrays' little-endian bytes, concatenated (one copy on little-endian hosts)."""
+    return b"".join(
+        memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))).cast("B")
+        for a in arrays
+    )
+
+
+def from_bytes(
+    payload: bytes, specs: Sequence[TensorSpec], require_finite: bool = True
+) -> list[np.ndarray]:
+    """Splits a raw (scheme "none") payload into arrays: read-only views, no copies.
+
+    Raises:
+      PayloadError: wrong total size, or (with `require_finite`) a NaN or infinity.
+    """
+    return wire.decode_payload(payload, wire.headers(specs), specs, require_finite)

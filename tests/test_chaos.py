@@ -19,6 +19,8 @@ from tests.helpers import wait_until
 
 R = tl.Record
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 
 def _write(path, text):
     path.write_text(text)
@@ -93,7 +95,9 @@ def test_config_names_a_missing_schedule():
 
 
 def test_checked_in_schedules_load():
-    for path in sorted(pathlib.Path("experiments/chaos").glob("*.yaml")):
+    paths = sorted((ROOT / "experiments" / "chaos").glob("*.yaml"))
+    assert len(paths) >= 5, paths  # demo, every_fault, flaky_link, kill_restart, mtbf120
+    for path in paths:
         assert chaos.load(path, 4).faults, path
 
 
@@ -188,6 +192,7 @@ def test_controls_are_reread_when_the_file_changes(tmp_path):
     assert controls.get()["drop"] == 0.3 and controls.slowdown() == 1.0
 
 
+@pytest.mark.multiprocess
 def test_supervisor_plays_a_schedule_on_real_processes(tmp_path):
     schedule = chaos.parse(
         {

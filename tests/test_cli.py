@@ -6,6 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # starts real processes
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = [
     "--config=experiments/configs/tiny_lm.py",

@@ -141,3 +141,38 @@ def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path
         wait_until(lambda: not _children_of(tmp_path), 30, "every child process to exit")
     finally:
         _cleanup(proc, tmp_path)
+
+
+def test_a_learner_killed_from_outside_without_a_schedule_stops_the_run_and_leaves_nothing(
+    tmp_path,
+):
+    # No fault schedule, so no supervisor restarts it: the launcher must say which child died,
+    # and reap every other one.
+    proc = _launch(tmp_path, "--config.train_steps=100000")
+    try:
+        port_file = tmp_path / "syncer.port"
+        wait_until(port_file.exists, 120, "the syncer's port file")
+        client = SyncerClient(
+            f"127.0.0.1:{port_file.read_text()}", config_lib.SyncerConfig(), TOKEN
+        )
+        wait_until(
+            lambda: (
+                all(x["step"] > 0 for x in client.status()["learners"].values())
+                and len(client.status()["learners"]) == 2
+            ),
+            180,
+            "both learners to step",
+        )
+        client.close()
+        victim = next(
+            pid
+            for pid in _children_of(tmp_path)
+            if "--learner_id=1" in pathlib.Path(f"/proc/{pid}/cmdline").read_text()
+        )
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert "learner_1 exited with code -9" in out, out[-3000:]
+        wait_until(lambda: not _children_of(tmp_path), 30, "every child process to exit")
+    finally:
+        _cleanup(proc, tmp_path)

@@ -138,6 +138,7 @@ def test_every_document_parses_and_names_its_namespace():
         assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]
 
 
+@pytest.mark.multiprocess
 def test_k8s_commands_agree_with_the_cli():
     docs = _docs()
     containers = _containers(docs)
@@ -154,6 +155,7 @@ def test_k8s_commands_agree_with_the_cli():
 
 
 @pytest.mark.parametrize("module", MODULES)
+@pytest.mark.multiprocess
 def test_real_parser_accepts_a_representative_command(module):
     docs = _docs()
     container = next(c for *_, c in _containers(docs) if _module(c) == module)
@@ -285,6 +287,7 @@ def _ssh_commands():
     return [(host, session, shlex.split(command)) for host, session, command in rows]
 
 
+@pytest.mark.multiprocess
 def test_ssh_launcher_commands_agree_with_the_cli():
     rows = _ssh_commands()
     syncers = [(h, dict(_flags(c[1:]))) for h, s, c in rows if c[0] == "decoupled_diloco.syncer"]

@@ -6,6 +6,7 @@ import pytest
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.core import fragments as F
 from tests.conftest import tiny_config
+from tests.helpers import is_due, sync_round
 
 
 def _specs(sizes):
@@ -55,10 +56,10 @@ def test_partition_of_the_real_model_and_fingerprint():
 @pytest.mark.parametrize("H,P", [(8, 1), (8, 4), (6, 6), (10, 3)])
 def test_schedule_each_fragment_once_per_h_steps_staggered(H, P):
     steps = range(1, 3 * H + 1)
-    due = {p: [t for t in steps if F.is_due(t, p, P, H)] for p in range(P)}
+    due = {p: [t for t in steps if is_due(t, p, P, H)] for p in range(P)}
     for p, ts in due.items():
         assert len(ts) == 3 and np.all(np.diff(ts) == H)
-        assert [F.sync_round(t, p, P, H) for t in ts] == [0, 1, 2]
+        assert [sync_round(t, p, P, H) for t in ts] == [0, 1, 2]
     firsts = sorted(ts[0] for ts in due.values())
     assert len(set(firsts)) == P  # staggered: no two fragments share a step
     assert firsts[-1] == H  # the last fragment is due at H, like DiLoCo

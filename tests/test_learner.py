@@ -11,10 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco.core import fragments as F
 from decoupled_diloco.learner.loop import Learner
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
+from tests.helpers import due_fragments
 
 TOKEN = "learner-test"
 
@@ -73,7 +73,7 @@ def test_schedule_matches_the_staggered_rule_and_dynamic_h_scales_with_speed():
     config = _config(inner_steps=8, **{"decoupled.fragments": 4})
     learner = Learner(config, 0, "127.0.0.1:1", devices=jax.devices()[:1], mesh_shape=(1, 1))
     for step in range(1, 3 * 8 + 1):
-        assert learner.sync.due(step) == F.due_fragments(step, 4, 8)
+        assert learner.sync.due(step) == due_fragments(step, 4, 8)
     assert learner.sync.local_h() == 8
     dylu = Learner(
         _config(inner_steps=8, **{"decoupled.dynamic_local_updates": True}),

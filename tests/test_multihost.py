@@ -211,7 +211,7 @@ CHECKPOINT_WORKER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from decoupled_diloco import multihost
+    from decoupled_diloco.learner import multihost
     from decoupled_diloco.runtime import configure_cpu_devices
 
     pid, coordinator, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]

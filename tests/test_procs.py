@@ -7,8 +7,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from decoupled_diloco import runtime
 from tests.helpers import wait_until
+
+pytestmark = pytest.mark.multiprocess  # starts real processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

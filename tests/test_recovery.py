@@ -29,7 +29,7 @@ from decoupled_diloco.local.evaluator import GlobalEvaluator
 from decoupled_diloco.local.procs import free_port
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
-from tests.helpers import wait_until
+from tests.helpers import is_due, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 150  # per learner, in the multi-process runs
@@ -165,8 +165,8 @@ def test_corrupt_syncer_snapshot_falls_back_with_a_warning_and_the_log_loses_not
 
 
 def test_outbox_folds_what_a_newer_push_contains_and_bounds_the_rest():
-    from decoupled_diloco.core import fragments as F
-    from decoupled_diloco.learner.recovery import Outbox, reschedule
+    from decoupled_diloco.learner.outbox import Outbox
+    from decoupled_diloco.learner.recovery import reschedule
 
     box = Outbox(num_fragments=2, bound=2)
     first = box.add(0, base=3, steps=8, tokens=100, foldable=True)
@@ -185,7 +185,7 @@ def test_outbox_folds_what_a_newer_push_contains_and_bounds_the_rest():
     # A restarted learner's schedule: the staggered rule from its restored step on.
     for step in range(40):
         assert reschedule(step, 3, 8) == [
-            min(s for s in range(step + 1, step + 9) if F.is_due(s, p, 3, 8)) for p in range(3)
+            min(s for s in range(step + 1, step + 9) if is_due(s, p, 3, 8)) for p in range(3)
         ]
 
 

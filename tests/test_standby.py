@@ -74,6 +74,7 @@ def test_activation_must_match_the_spare_and_startup_counts_from_activation():
     assert ": rest of warm-up 0.25 s, activation 0.25 s," in late
 
 
+@pytest.mark.multiprocess
 def test_killed_learner_restarts_from_a_warm_standby(tmp_path):
     overrides = {"checkpoint.every": 20, "eval.every": 0, "supervisor.standby": 1}
     config = tiny_config(

@@ -14,6 +14,8 @@ from decoupled_diloco.obs import watch
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.multiprocess  # starts real processes
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "watch-test-token"
 

@@ -8,7 +8,6 @@ from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.core.outer import token_weight
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
 
@@ -164,12 +163,14 @@ def test_retried_push_counts_once_and_merge_matches_numpy(syncer):
     again = _push(client, specs, d0, learner=0, fragment=p, steps=4, tokens=4 * 256)
     assert first.accepted and not first.duplicate and again.accepted and again.duplicate
     assert client.status()["fragments"][p]["pending"] == [0]  # quorum 2: still open
-    _push(client, specs, d1, learner=1, fragment=p, steps=2, tokens=2 * 256)
+    # Learner 1 trained half the tokens per step (a smaller batch): w = tokens²/steps weighs it
+    # 1/4 of learner 0, where plain token weighting would give 1/2.
+    _push(client, specs, d1, learner=1, fragment=p, steps=4, tokens=4 * 128)
     version, got = client.pull(0, p, min_version=1, wait_s=10)
     assert version == 1
     record = client.status()["merge_log"][-1]
     assert record["learners"] == [0, 1] and record["tokens"] == [1024, 512]
-    w = np.array([token_weight(1024, 4), token_weight(512, 2)])
+    w = np.array([1024.0**2 / 4, 512.0**2 / 4])
     np.testing.assert_allclose(record["weights"], w)
     w = w / w.sum()
     lr, mu = 0.7, 0.9
@@ -311,6 +312,7 @@ def test_grace_window_follows_eq3_with_emas_and_waits_for_a_second_learner():
     assert record["waited_s"] >= record["grace_s"]
 
 
+@pytest.mark.multiprocess
 def test_status_cli_shows_learners_and_fragments(syncer):
     import os
     import pathlib
@@ -429,3 +431,78 @@ def test_share_merge_of_one_learner_of_two_moves_half_way(syncer):
     assert version == 1 and client.status()["merge_log"][-1]["learners"] == [0]
     for a, x, g in zip(anchor, d0, got, strict=True):
         np.testing.assert_allclose(g, a - 0.5 * x, rtol=2e-5, atol=2e-7)
+
+
+def test_a_silent_learner_leaves_the_quorum_after_learner_timeout():
+    from decoupled_diloco.syncer.records import Push
+    from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.syncer.state import SyncerState
+
+    config = _config(**{"decoupled.quorum": 2, "decoupled.syncer.learner_timeout_s": 5.0})
+    cut, values = initial_fragments(config)
+    clock = _Clock()
+    state = SyncerState(config, cut, values, clock=clock)
+    for i in (0, 1):
+        state.register(i, "1x1")
+    specs = state.fragments[0].specs
+    assert state.push(Push(0, 0, 0, 0, 4, 1024, _deltas(specs, 0))).accepted
+    clock.t += 4.0
+    state.heartbeat(0, step=4)  # learner 0 keeps talking; learner 1 has gone silent
+    state.tick()
+    assert state.fragments[0].version == 0  # learner 1 still counts: quorum 2 not reached
+    clock.t += 1.5  # learner 1 silent for 5.5 s > learner_timeout_s
+    assert state.live_learners(clock()) == [0]
+    state.tick()
+    assert state.fragments[0].version == 1 and state.merge_log[-1]["learners"] == [0]
+    state.heartbeat(1, step=1)  # back: it counts again
+    assert state.live_learners(clock()) == [0, 1]
+
+
+# A client built from syncer.proto alone (grpc_tools), in a fresh interpreter that never imports
+# the package: what any outside implementation would send.
+_PROTO_CLIENT = r"""
+import pathlib, sys
+import grpc
+from grpc_tools import protoc
+out, proto = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+assert protoc.main(["protoc", f"-I{proto.parent}", f"--python_out={out}",
+                    f"--grpc_python_out={out}", str(proto)]) == 0
+sys.path.insert(0, str(out))
+import syncer_pb2 as pb, syncer_pb2_grpc as pb_grpc
+stub = pb_grpc.SyncerStub(grpc.insecure_channel(sys.argv[3]))
+meta = (("x-dd-run-token", sys.argv[4]),)
+for learner in (int(sys.argv[5]), -1):
+    try:
+        stub.Register(pb.RegisterRequest(learner_id=learner, fingerprint=sys.argv[6]),
+                      metadata=meta, timeout=30)
+        print("OK")
+    except grpc.RpcError as error:
+        print(error.code().name, error.details())
+"""
+
+
+@pytest.mark.multiprocess
+def test_register_refuses_learner_ids_outside_num_learners_from_a_proto_client(syncer, tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    from decoupled_diloco.comm import wire as wire_lib
+
+    server, client = syncer
+    proto = pathlib.Path(wire_lib.__file__).with_name("syncer.proto")
+    num = server.state.config.num_learners
+    args = [str(tmp_path), str(proto), f"127.0.0.1:{server.port}", TOKEN, str(num)]
+    out = subprocess.run(
+        [sys.executable, "-c", _PROTO_CLIENT, *args, server.fingerprint],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [
+        f"INVALID_ARGUMENT learner id {num} is not in [0, {num})",
+        f"INVALID_ARGUMENT learner id -1 is not in [0, {num})",
+    ]
+    assert server.state.learners == {}  # nothing registered

@@ -6,6 +6,7 @@ import pytest
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import wire
 from decoupled_diloco.core import fragments as F
+from tests.helpers import from_bytes, to_bytes
 
 
 def _arrays():
@@ -19,8 +20,8 @@ def test_chunk_arrays_round_trips_across_tensor_boundaries(chunk):
     specs = F.tensor_specs(arrays)
     pieces = list(wire.chunk_arrays(arrays, chunk))
     assert all(len(p) == chunk for p in pieces[:-1]) and 0 < len(pieces[-1]) <= chunk
-    assert b"".join(pieces) == wire.to_bytes(arrays)
-    for got, want in zip(wire.from_bytes(b"".join(pieces), specs), arrays, strict=True):
+    assert b"".join(pieces) == to_bytes(arrays)
+    for got, want in zip(from_bytes(b"".join(pieces), specs), arrays, strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -43,15 +44,15 @@ def test_data_only_chunks_match_protobuf_and_anything_else_is_not_taken():
 def test_payload_checks_name_what_is_wrong():
     arrays = _arrays()
     specs = F.tensor_specs(arrays)
-    payload = wire.to_bytes(arrays)
+    payload = to_bytes(arrays)
     with pytest.raises(wire.PayloadError, match="bytes"):
-        wire.from_bytes(payload[:-4], specs)
+        from_bytes(payload[:-4], specs)
     bad = [a.copy() for a in arrays]
     bad[2][5, 5] = np.inf
     with pytest.raises(wire.PayloadError, match="non-finite"):
-        wire.from_bytes(wire.to_bytes(bad), specs)
+        from_bytes(to_bytes(bad), specs)
     huge = [np.full_like(a, 3e38) for a in arrays]  # finite, but its sum overflows
-    assert len(wire.from_bytes(wire.to_bytes(huge), specs)) == len(arrays)
+    assert len(from_bytes(to_bytes(huge), specs)) == len(arrays)
     headers = wire.headers(specs)
     assert wire.check_headers(headers, specs) == len(payload)
     headers[1].dtype = "int32"

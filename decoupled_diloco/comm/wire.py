@@ -105,14 +105,6 @@ def encoded_arrays(
     ]
 
 
-def to_bytes(arrays: Sequence[np.ndarray]) -> bytes:
-    """The arrays' little-endian bytes, concatenated (one copy on little-endian hosts)."""
-    return b"".join(
-        memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))).cast("B")
-        for a in arrays
-    )
-
-
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
@@ -167,15 +159,6 @@ def chunk_arrays(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[byt
         yield b"".join(parts)
 
 
-def chunks(payload: bytes | memoryview, chunk_bytes: int) -> Iterator[memoryview]:
-    """Consecutive slices of at most `chunk_bytes` (one empty chunk for an empty payload)."""
-    view = memoryview(payload)
-    if not len(view):
-        yield view
-    for start in range(0, len(view), chunk_bytes):
-        yield view[start : start + chunk_bytes]
-
-
 def check_headers(got: Sequence[pb.TensorHeader], want: Sequence[TensorSpec]) -> int:
     """Checks a payload's headers against the expected specs; returns the expected byte count.
 
@@ -215,17 +198,6 @@ def check_headers(got: Sequence[pb.TensorHeader], want: Sequence[TensorSpec]) ->
                 f"encoding of shape {spec.shape} takes {need}"
             )
     return sum(h.payload_bytes for h in got)
-
-
-def from_bytes(
-    payload: bytes, specs: Sequence[TensorSpec], require_finite: bool = True
-) -> list[np.ndarray]:
-    """Splits a raw (scheme "none") payload into arrays: read-only views, no copies.
-
-    Raises:
-      PayloadError: wrong total size, or (with `require_finite`) a NaN or infinity.
-    """
-    return decode_payload(payload, headers(specs), specs, require_finite)
 
 
 def decode_payload(

@@ -99,21 +99,6 @@ def offset(fragment: int, num_fragments: int, inner_steps: int) -> int:
     return ((fragment + 1) * inner_steps) // num_fragments
 
 
-def is_due(step: int, fragment: int, num_fragments: int, inner_steps: int) -> bool:
-    """Whether fragment p is pushed after inner step `step` (1-based)."""
-    return step >= 1 and (step - offset(fragment, num_fragments, inner_steps)) % inner_steps == 0
-
-
-def due_fragments(step: int, num_fragments: int, inner_steps: int) -> list[int]:
-    """The fragments due after inner step `step`."""
-    return [p for p in range(num_fragments) if is_due(step, p, num_fragments, inner_steps)]
-
-
-def sync_round(step: int, fragment: int, num_fragments: int, inner_steps: int) -> int:
-    """The learner-side round number of fragment p at a due step (0 for its first push)."""
-    return (step - offset(fragment, num_fragments, inner_steps)) // inner_steps
-
-
 def gather(leaves: Sequence[Any], fragment: Sequence[TensorSpec]) -> list[Any]:
     """The leaves of one fragment, in its order."""
     return [leaves[s.index] for s in fragment]
