@@ -32,7 +32,7 @@ format: venv
 	$(VENV)/bin/ruff format .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # All benchmarks take several hours on 2 cores (the 2,000-step quality runs); `make bench ONLY=throughput,goodput` picks some.
 bench: venv

@@ -137,5 +137,5 @@ def test_dp_killed_and_restarted_resumes_from_its_checkpoint(tmp_path):
     assert kinds == [("fault", "kill"), ("recovery", "restart")]
     down = summary["timeline"]["learners"]["1"]["down_s"]
     assert down >= 1 and summary["timeline"]["learners"]["0"]["down_s"] == 0
-    assert summary["final_eval_loss"] < 5.5
+    assert summary["final_eval_loss"] < 5.0  # ln(256) = 5.55 at init
     assert "resumed from checkpoint" in (tmp_path / "run" / "logs" / "trainer.log").read_text()

@@ -33,7 +33,7 @@ def test_compare_runs_three_modes_into_one_table_and_plots(tmp_path):
     assert {"dp", "diloco", "decoupled"} <= set(rows)
     for mode in ("dp", "diloco", "decoupled"):
         cells = [c.strip() for c in rows[mode].split("|")[1:-1]]
-        assert float(cells[1]) < 5.55  # final eval loss, below ln(256) = untrained
+        assert float(cells[1]) < 5.25  # final eval loss, well below ln(256) = 5.55 untrained
         assert cells[3] == f"{config.train_steps * config.num_learners * config.tokens_per_step:,}"
         assert (tmp_path / "cmp" / mode / "report.md").exists()
     assert rows["dp"].split("|")[3].strip() == "1.000x"

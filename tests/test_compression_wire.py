@@ -189,6 +189,7 @@ def syncer(request):
         "outer.momentum": 0.0,
         "outer.nesterov": False,
         "outer.merge": "mean",
+        "decoupled.partial_merge": "mean",  # a merge of one learner steps all the way
         "compression.scheme": "e3m0",
         "compression.block_size": 64,
         **getattr(request, "param", {}),
@@ -379,7 +380,7 @@ def test_compressed_decoupled_run_trains_and_accounts_its_bytes(tmp_path):
         summary = json.loads((tmp_path / "summary.json").read_text())
         # Learned something (ln(256) = 5.55 at init); how much depends on how many merges came
         # back before the learners finished, which a busy machine delays.
-        assert summary["final_eval_loss"] < 5.5
+        assert summary["final_eval_loss"] < 5.0
         learners = summary["learners"]
         assert all(x["steps"] == 32 and not x["errors"] for x in learners)
         assert all(x["compression"] == "e3m0" and x["rounds"] for x in learners)

@@ -103,7 +103,7 @@ def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
         lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert lines and lines[-1]["learner_states"] == ["done", "done"]
         evals = [x["eval_loss"] for x in lines if "eval_loss" in x]  # of the global parameters
-        assert evals and all(e < 5.6 for e in evals)
+        assert evals and all(e < 5.3 for e in evals)  # ln(256) = 5.55 at init
         assert "[decoupled]" in out and "final eval loss" in out
         assert _children_of(tmp_path) == []
     finally:

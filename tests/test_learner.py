@@ -163,6 +163,7 @@ def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
             "decoupled.quorum": 1,
             "decoupled.overlap_steps": 2,
             "decoupled.apply_on_arrival": False,
+            "decoupled.keep_overlap": False,  # the merged values as they are
             "decoupled.grace_safety": 0.5,
         },
     )

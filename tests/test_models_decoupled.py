@@ -17,7 +17,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMON = [
     "--config.num_learners=2",
-    "--config.train_steps=16",
     "--config.inner_steps=8",
     "--config.decoupled.fragments=2",
     "--config.eval.every=0",
@@ -34,6 +33,7 @@ MODELS = {
         "--config.eval.batches=2",
         # Router and expert tensors go through compression like any other tensor.
         "--config.compression.scheme=int8",
+        "--config.train_steps=16",
     ],
     "vit": [
         "--config=experiments/configs/tiny_vit.py:decoupled",
@@ -42,8 +42,14 @@ MODELS = {
         "--config.model.num_layers=1",
         "--config.data.batch_size=16",
         "--config.eval.batches=4",
+        "--config.train_steps=48",
     ],
 }
+STEPS = {"moe": 16, "vit": 48}
+# What the run must reach: well below the untrained model's loss (ln 256 = 5.55 for the byte
+# LM, ln 10 = 2.30 for the ten digits) and, for the ViT, well above the 10% of guessing. Seen:
+# MoE 4.41 after 16 steps; ViT 1.95 and 41% after 48 (64 validation images).
+MAX_LOSS = {"moe": 5.0, "vit": 2.15}
 
 pytestmark = pytest.mark.multiprocess
 
@@ -81,13 +87,13 @@ def test_one_decoupled_run_with_two_learners_completes(model, tmp_path):
         assert proc.returncode == 0, out[-3000:]
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert summary["mode"] == "decoupled" and summary["config"]["model"]["kind"] == model
-        assert all(x["steps"] == 16 and not x["errors"] for x in summary["learners"])
+        assert all(x["steps"] == STEPS[model] and not x["errors"] for x in summary["learners"])
         # Every fragment was merged at least twice (two rounds of H=8 per learner).
         assert all(f["version"] >= 2 for f in summary["fragments"])
-        assert summary["final_eval_loss"] < 10
+        assert summary["final_eval_loss"] < MAX_LOSS[model], summary["final_eval_loss"]
         assert summary["config"]["compression"]["scheme"] == ("int8" if model == "moe" else "none")
         if model == "vit":
-            assert 0.0 <= summary["final_eval_accuracy"] <= 1.0
+            assert 0.25 <= summary["final_eval_accuracy"] <= 1.0, summary["final_eval_accuracy"]
         else:
             assert "final_eval_accuracy" not in summary
     finally:

@@ -36,7 +36,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert "trained 16 steps on each of 2 learners" in text
     assert "global model: eval loss" in text
     eval_loss = float(text.split("global model: eval loss ")[1].split()[0])
-    assert eval_loss < 5.55  # below the untrained ln(256)
+    assert eval_loss < 5.3  # well below the untrained ln(256) = 5.55
     assert "goodput" in text and "data-parallel equivalent" in text
     images = [
         o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})
