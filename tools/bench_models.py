@@ -30,6 +30,7 @@ import datetime
 import pathlib
 
 from decoupled_diloco.local.runs import run_or_reuse
+from tools.decoupled_variants import BEFORE_GATHER_DEFAULTS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 300
@@ -58,6 +59,8 @@ COMMON = {
 # Synchronous DiLoCo for context (plain averaging, measured best for diloco in quality.md).
 DILOCO = {"outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False, "outer.merge": "mean"}
 DECOUPLED = {  # "lr 1/M"
+    # The defaults these runs were measured with (before gather + share became the default).
+    **{k: v for k, v in BEFORE_GATHER_DEFAULTS.items() if "stale_anchor" not in k},
     "decoupled.stale_anchor": "learner",
     "outer.lr": 1.0 / M,
     "outer.momentum": 0.0,

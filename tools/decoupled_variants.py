@@ -7,7 +7,18 @@ per learner); the benchmark turns a name into its run directory, so renaming one
 from __future__ import annotations
 
 SETTING = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
+# The `decoupled.*` defaults these runs were measured with (before gather + share became the
+# default on 2026-12-01), pinned so that every variant means what its name says.
+BEFORE_GATHER_DEFAULTS = {
+    "decoupled.keep_overlap": False,
+    "decoupled.apply_on_arrival": False,
+    "decoupled.partial_merge": "mean",
+    "decoupled.grace_safety": 0.5,
+    "decoupled.stale_anchor": "syncer",
+    "decoupled.syncer.max_grace_s": 2.0,
+}
 DECOUPLED = {
+    **BEFORE_GATHER_DEFAULTS,
     "decoupled.fragments": 4,
     "decoupled.overlap_steps": 2,
     "decoupled.quorum": 1,

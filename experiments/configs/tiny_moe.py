@@ -16,9 +16,10 @@ sharded over the mesh's model axis (--config.mesh.shape=1,4 puts one expert on e
 from decoupled_diloco import config as c
 
 # Outer settings per mode, the best measured (benchmarks/results/quality.md, decoupled.md and
-# models.md): plain averaging for diloco; for decoupled with quorum 1, outer SGD lr 1 without
-# momentum, RDA merge, learner anchor and partial_merge="share" (a merge of k of the M learners
-# steps k/M of the way, so the same lr suits any M). dp has no outer step.
+# models.md): plain averaging for diloco; for decoupled, outer SGD lr 1 without momentum and
+# the RDA merge, with the default decoupled algorithm (quorum 1, learner anchor, gather +
+# share: a merge of k of the M learners steps k/M of the way, so the same lr suits any M).
+# dp has no outer step.
 OUTER = {
     "diloco": c.OuterConfig(lr=1.0, momentum=0.0, nesterov=False, merge="mean"),
     "decoupled": c.OuterConfig(lr=1.0, momentum=0.0, nesterov=False, merge="rda"),
@@ -54,12 +55,5 @@ def get_config(mode: str = "decoupled"):
             mesh=c.MeshConfig(shape=(1, 1)),
             checkpoint=c.CheckpointConfig(every=0),
             eval=c.EvalConfig(every=50, batches=8),
-            decoupled=c.DecoupledConfig(
-                fragments=4,
-                overlap_steps=2,
-                quorum=1,
-                stale_anchor="learner",
-                partial_merge="share",
-            ),
         )
     )
