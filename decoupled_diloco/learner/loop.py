@@ -86,9 +86,11 @@ class Learner:
         self.startup["constructing"] = t_construct
         self._compiled = False
 
-    def _make_sync(self, client: Any) -> DecoupledSync:
-        """This learner's link (a multi-process island's replaces its device<->host hooks)."""
-        return DecoupledSync(
+    sync_class = DecoupledSync  # a multi-process island's replaces its device<->host hooks
+
+    def _make_sync(self, client: Any, **extra: Any) -> DecoupledSync:
+        """This learner's link (`extra`: more arguments of `sync_class`)."""
+        return self.sync_class(
             self.config,
             self.id,
             client,
@@ -96,6 +98,7 @@ class Learner:
             self.island.param_sharding,
             self.mesh_name,
             on_state=self._mark,
+            **extra,
         )
 
     # Progress lives in the link (heartbeats report it); checkpoints save and restore it here.

@@ -148,11 +148,11 @@ class MultihostSync(DecoupledSync):
     """A `DecoupledSync` whose device<->host moves are collectives; only the leader talks.
 
     Args:
-      group: this process's place in the island.
       *args, **kwargs: as for `DecoupledSync`.
+      group: this process's place in the island.
     """
 
-    def __init__(self, group: ProcessGroup, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, group: ProcessGroup, **kwargs: Any):
         self.group = group
         # (step, fragment, version, digest of this process's shards) after each merge: equal
         # across the processes of an island whose processes differ only along the data axis.
@@ -280,17 +280,10 @@ class MultihostLearner(Learner):
             # A restart must skip the same batches on every process: the leader's journal rules.
             self.checkpoints.journal = _AgreedJournal(self.checkpoints.journal, group.is_leader)
 
-    def _make_sync(self, client: Any) -> MultihostSync:
-        return MultihostSync(
-            self.group,
-            self.config,
-            self.id,
-            client,
-            self.island.abstract_params,
-            self.island.param_sharding,
-            self.mesh_name,
-            on_state=self._mark,
-        )
+    sync_class = MultihostSync
+
+    def _make_sync(self, client: Any, **extra: Any) -> MultihostSync:
+        return super()._make_sync(client, group=self.group, **extra)
 
     def _batch(self, batch: Any) -> Any:
         # Every process reads the same stream; each places only its own rows.
