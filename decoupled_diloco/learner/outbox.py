@@ -4,11 +4,11 @@ Outages: a push that cannot be delivered (the syncer or its shard is down) is re
 jittered exponential backoff (capped at 5 s) while the learner keeps stepping. Undelivered
 pushes are bounded per fragment: a newer push of the same fragment anchored at the same
 version carries the older one's progress (Δ = anchor − θ covers every step since the anchor),
-so an uncompressed older push that was never attempted is folded into it (its step and token
-counts added) and never sent. One that was attempted is not: an attempt whose reply was lost
-may have reached the syncer, which then holds its counts already (folding them into the newer
-push would count them twice); it goes on being retried, and the syncer answers a retry that
-did arrive as a duplicate. Compressed pushes (whose error feedback already counted them as
+so an uncompressed older push that is not mid-attempt is folded into it and never sent again
+(sending both would apply its progress twice). Its step and token counts go with the newer
+push only if it was never attempted: an attempt whose reply was lost may have reached the
+syncer, which then holds its counts already, and a newer push at the same anchor adds its own
+counts to them there. Compressed pushes (whose error feedback already counted them as
 sent) and pushes anchored at different versions are kept, at most `syncer.max_unsent` per
 fragment waiting between attempts (plus those mid-attempt, at most one per sender thread);
 past the bound the oldest waiting one is dropped, logged and counted (`pushes_dropped`).
@@ -41,7 +41,7 @@ class Unsent:
     tokens: int
     foldable: bool  # an uncompressed outer gradient: a newer one at the same base contains it
     attempting: bool = False
-    tried: bool = False  # an attempt was made: the syncer may hold it (never folded then)
+    tried: bool = False  # an attempt was made: the syncer may hold it (and its counts)
     superseded: bool = False
     dropped: bool = False
 
@@ -66,10 +66,11 @@ class Outbox:
         ticket = Unsent(p, base, steps, tokens, foldable)
         with self.lock:
             for older in self.pending[p]:
-                if foldable and older.foldable and older.base == base and not older.tried:
+                if foldable and older.foldable and older.base == base and not older.attempting:
                     older.superseded = True
-                    ticket.steps += older.steps
-                    ticket.tokens += older.tokens
+                    if not older.tried:  # else the syncer may count them already
+                        ticket.steps += older.steps
+                        ticket.tokens += older.tokens
                     self.folded += 1
             self.pending[p] = [x for x in self.pending[p] if not x.superseded]
             # Only pushes waiting between attempts count (one mid-attempt may be delivered).
