@@ -4,11 +4,11 @@ The island, the trainers, the learner and the launcher are task-agnostic: they a
 the model, the training loss, the evaluation metrics and the batch layout, and the dataset for
 per-learner iterators and fixed validation batches. `config.model.kind` picks the task:
 
-  * "transformer": the dense byte-level LM (`model.Transformer`, `model.lm_loss`, `data.py`).
-    Its functions are the original ones, so this path compiles to the same program as before.
-  * "moe": the same data with `moe.MoETransformer`; the training loss adds the router losses,
-    evaluation reports the cross-entropy (`loss`) and the routing statistics.
-  * "vit": image classification (`vit.ViT`, `vision_data.py`); evaluation adds `accuracy`.
+  * "transformer": the dense byte-level LM (`models.transformer.Transformer` and `lm_loss`,
+    `data/text.py`), compiled to the same program as before tasks existed.
+  * "moe": the same data with `models.moe.MoETransformer`; the training loss adds the router
+    losses, evaluation reports the cross-entropy (`loss`) and the routing statistics.
+  * "vit": image classification (`models.vit.ViT`, `data/vision.py`); evaluation adds `accuracy`.
 
 Every evaluation returns a dict with at least `loss`; classification tasks also `accuracy`.
 """
@@ -144,7 +144,7 @@ class Dataset(Protocol):
 
 
 class TextDataset:
-    """The byte-level corpus cut into `seq_len + 1`-token windows (see `data.py`)."""
+    """The byte-level corpus cut into `seq_len + 1`-token windows (see `data/text.py`)."""
 
     def __init__(self, corpus: data_lib.Corpus, seq_len: int):
         self.corpus, self.seq_len = corpus, seq_len
@@ -173,7 +173,7 @@ class TextDataset:
 
 
 class ImageDataset:
-    """An image classification set (see `vision_data.py`)."""
+    """An image classification set (see `data/vision.py`)."""
 
     def __init__(self, images: Any, augment: bool):
         self.images, self.augment = images, augment

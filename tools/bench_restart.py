@@ -6,7 +6,7 @@ Runs a syncer (with durable state) and one learner of `tiny_lm_decoupled` with c
 every 20 steps, on the persistent compilation cache. After a cold start, it kills the learner
 with SIGKILL and starts the very same command again, `--kills` times, each once the previous
 incarnation has stepped 30 more steps. Every learner prints when its first step ends and where
-the time went since the process started (`learner_recovery.startup_line`); the table is those
+the time went since the process started (`learner.recovery.startup_line`); the table is those
 lines. The issue's torchft comparison target is <= 4 s from restart to stepping again.
 
 `--standby` measures a second table the same way, restarting by activating a warm standby

@@ -25,7 +25,7 @@ synchronous job), and a pause stops it.
 
 Slow-downs and link faults reach a learner through a small JSON control file
 (`$DD_CHAOS_DIR/learner_I.json`) that the learner (step loop) and its gRPC channel
-(`comm.faulty_link`) re-read when it changes; the injector (`injector.py`) rewrites it
+(`comm.faulty_link`) re-read when it changes; the injector (`chaos/injector.py`) rewrites it
 atomically.
 """
 

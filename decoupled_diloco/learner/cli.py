@@ -3,7 +3,7 @@ r"""`python -m decoupled_diloco.learner`: flags, the mesh, and one learner run t
   DD_RUN_TOKEN=secret python -m decoupled_diloco.learner --syncer=127.0.0.1:50051 \
       --learner_id=0 --config=experiments/configs/tiny_lm.py --config.mode=decoupled
 
-`learner.py`'s `__main__` defines the flags and calls `start`, which runs `main` (or waits as a
+`learner/__main__.py` defines the flags and calls `start`, which runs `main` (or waits as a
 warm standby, see `standby`).
 """
 
@@ -82,7 +82,7 @@ def main(argv: list[str], warm: Any = None) -> None:
 
 
 def start() -> None:
-    """Runs the learner of the flags that `learner.py`'s `__main__` defined.
+    """Runs the learner of the flags that `learner/__main__.py` defined.
 
     The flags are defined there, in the module that `python -m` runs, so that `--help` lists
     them (absl shows the main module's flags).

@@ -55,7 +55,7 @@ _POLL_S = 0.01
 
 @dataclasses.dataclass
 class Warm:
-    """What a warm standby hands to `learner_cli.main`: its island and its start-up times."""
+    """What a warm standby hands to `learner.cli.main`: its island and its start-up times."""
 
     island: Any  # island.Island, its step compiled
     startup: dict[str, float]
@@ -138,7 +138,7 @@ def serve(
       directory: where `ready` is written and `activate.json` is awaited.
       config: the experiment config (`--config`).
       shape: the island's mesh shape (`--mesh_shape`).
-      main: `learner_cli.main`, called as `main(argv, warm=Warm(...))` once the activation's
+      main: `learner.cli.main`, called as `main(argv, warm=Warm(...))` once the activation's
         flags are parsed into `absl.flags.FLAGS`.
     """
     from absl import flags

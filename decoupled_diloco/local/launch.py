@@ -63,7 +63,7 @@ def syncer_command(
     """A syncer shard's command line (loopback; the bound port is written to `port_file`).
 
     A fixed `port` lets a restarted syncer come back where its learners look for it; with
-    `checkpoint_dir` it commits its state there and resumes from it (`syncer_checkpoint`).
+    `checkpoint_dir` it commits its state there and resumes from it (`syncer.durability`).
     """
     command = [
         sys.executable,

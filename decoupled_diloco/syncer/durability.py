@@ -3,7 +3,7 @@
 The guarantee: a syncer started with a checkpoint directory publishes a merged version (makes
 it pullable and reports it in register, heartbeat and status replies) and acknowledges a push
 or a registration only after the change is on disk. Every change is appended to a write-ahead
-log (`syncer_wal`) under the state lock, as its result; one committer thread syncs the log
+log (`syncer.wal`) under the state lock, as its result; one committer thread syncs the log
 (`fdatasync`, one sync for all changes since the last) and then publishes, so acknowledgement
 costs a disk sync, not a checkpoint. Every `snapshot_s` seconds it also writes an Orbax snapshot
 of the whole state (global fragments, outer optimizer state, version history, pending pushes,

@@ -105,7 +105,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             )
 
     def _durable(self, context: grpc.ServicerContext) -> None:
-        """Waits until every change so far is committed (see `syncer_checkpoint`)."""
+        """Waits until every change so far is committed (see `syncer.durability`)."""
         if not self.state.wait_committed(self.state.seq, self.syncer_config.rpc_timeout_s):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer could not commit its state")
 

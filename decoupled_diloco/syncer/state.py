@@ -112,11 +112,11 @@ class SyncerState:
             FragmentState(specs, values if p in self.owned else [empty] * len(specs), self.tx)
             for p, (specs, values) in enumerate(zip(fragments, initial, strict=True))
         ]
-        # Durability (see `syncer_checkpoint`): `seq` counts changes a restart must not lose;
+        # Durability (see `syncer.durability`): `seq` counts changes a restart must not lose;
         # with `durable` set, merged versions wait for a commit (`publish`) to become visible.
         self.durable = False
         self.seq = self.committed_seq = 0
-        self.wal: Any = None  # `syncer_checkpoint.WriteAheadLog`, records every change
+        self.wal: Any = None  # `syncer.wal.WriteAheadLog`, records every change
         self.learners: dict[int, LearnerInfo] = {}
         self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
         self.merge_log: list[dict[str, Any]] = []

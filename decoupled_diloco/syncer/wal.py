@@ -1,6 +1,6 @@
 """The syncer's write-ahead log: every change a restart must not lose, as one appended record.
 
-Between two Orbax snapshots (`syncer_checkpoint`), each change to the syncer's state is appended
+Between two Orbax snapshots (`syncer.durability`), each change to the syncer's state is appended
 to `wal/SEQ.log` (SEQ: the snapshot it follows) under the state lock, as its result: a push's
 pending outer gradient and idempotency key, a merge's new fragment values, optimizer state and
 version, a registration. A restart restores a snapshot and re-applies the records after it.
