@@ -5,8 +5,8 @@
 A user who takes a config written for `diloco` and switches the mode gets whatever
 `DecoupledConfig`'s defaults are. This measures that run (the measured-best algorithm is the
 default: gather + share, τ = H/5, merges applied on arrival) against synchronous DiLoCo on the
-same command, at two seeds, and reports the learners' stall. Optionally (`--dylu`) the same
-with one learner 3x slower, with and without dynamic local updates, against diloco.
+same command, at two seeds, and reports the learners' stall; then the same with one learner 3x
+slower, with and without dynamic local updates, against diloco (`--skip_dylu` leaves it out).
 
 Every run is a real `python -m experiments.train` process (`local.runs.run_or_reuse`: a
 finished run of the very same config is reused). tiny_lm (0.5M parameters), M=2, H=50, 300
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="")
     parser.add_argument("--workroot", default=str(ROOT / "runs" / "bench"))
-    parser.add_argument("--dylu", action="store_true", help="also the 3x-slower-learner runs")
+    parser.add_argument("--skip_dylu", action="store_true", help="skip the 3x-slower runs")
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
     started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
@@ -55,7 +55,8 @@ def main() -> None:
         "## Decoupled defaults: `tiny_lm.py --config.mode=decoupled` against `diloco`",
         "",
         f"Command: `python -m tools.bench_defaults --out={args.out or 'PATH'}"
-        f"{' --dylu' if args.dylu else ''}` (written {started}; {machine_description()}; finished "
+        f"{' --skip_dylu' if args.skip_dylu else ''}` (written {started}; "
+        f"{machine_description()}; finished "
         "runs of the same config are reused). tiny_lm (0.5M parameters), M=2, H=50, 300 steps "
         "per learner, 32 fixed validation batches, the config's outer SGD lr 1 without momentum; "
         "no `decoupled.*` flag set, so the run gets `DecoupledConfig`'s defaults (gather + share, "
@@ -69,7 +70,7 @@ def main() -> None:
         *rows,
         "",
     ]
-    if args.dylu:
+    if not args.skip_dylu:
         dp = bench_quality.run("short:dp", "dp", bench_quality.SHORT, (0.7, 0.9, True), workroot)
         target = dp["final_eval_loss"]
         slow_rows = []
