@@ -10,6 +10,8 @@ SETTING = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
 # The `decoupled.*` defaults these runs were measured with (before gather + share became the
 # default on 2026-12-01), pinned so that every variant means what its name says.
 BEFORE_GATHER_DEFAULTS = {
+    "decoupled.fragments": 2,
+    "decoupled.overlap_steps": 1,
     "decoupled.keep_overlap": False,
     "decoupled.apply_on_arrival": False,
     "decoupled.partial_merge": "mean",

@@ -14,6 +14,8 @@ import platform
 import subprocess
 import sys
 
+from tools.decoupled_variants import BEFORE_GATHER_DEFAULTS
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
@@ -59,6 +61,13 @@ def main() -> None:
         f"{datetime.date.today().isoformat()}; machine: {machine_description()}.\n"
         "Each section names the command that produced it and the date it was run; "
         "`benchmarks/results/NAME.md` holds each section as its benchmark last wrote it.\n",
+        # The decoupled defaults changed on 2026-12-01 (gather + share); the benchmarks now pin
+        # the old ones themselves, but command lines written before do not show them.
+        "Command lines in sections written before the `decoupled.*` defaults became gather + "
+        "share (2026-12-01, 09:00) ran with the defaults of that time; to rerun one by hand, put "
+        + " ".join(f"`--config.{k}={v}`" for k, v in BEFORE_GATHER_DEFAULTS.items())
+        + " before its own `--config.*` flags (the benchmarks pin them themselves: "
+        "`tools/decoupled_variants.py`).\n",
     ]
     for name in names:
         path = RESULTS_DIR / f"{name}.md"
