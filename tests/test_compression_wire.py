@@ -222,7 +222,7 @@ def test_syncer_merges_what_was_encoded_and_refuses_bad_payloads_untouched(synce
     frag = server.state.fragments[0]
     specs, before = frag.specs, [v.copy() for v in frag.values]
     codec = C.Codec("e3m0", 64)
-    delta = _arrays(1, specs)
+    delta = [0.1 * a for a in _arrays(1, specs)]  # an outer gradient's size (norm bound)
     tensors, payload = _encode(delta, specs, codec)
     # Bad: a NaN block scale in the last tensor; nothing of the push may be applied.
     bad = bytearray(payload)
@@ -263,7 +263,7 @@ def test_downlink_sends_differences_from_the_learners_copy_without_drift(syncer)
     assert version == 0 and client.last_bytes() > full
     codec = C.Codec("e3m0", 64)
     for rnd in range(3):
-        tensors, payload = _encode(_arrays(10 + rnd, specs), specs, codec)
+        tensors, payload = _encode([0.1 * a for a in _arrays(10 + rnd, specs)], specs, codec)
         raw = [np.frombuffer(payload, np.uint8)]
         assert client.push(
             learner_id=0,

@@ -56,6 +56,8 @@ class SyncerClient:
         )
         self.metadata = ((wire.TOKEN_HEADER, token or wire.run_token(config)),)
         self.retries_done = 0
+        # Per learner id, the incarnation its last registration got (stamped on its pushes).
+        self.incarnations: dict[int, int] = {}
         # Traffic of the data calls (encoded chunk bytes, headers included), all threads
         # together; `last_bytes()` is the calling thread's last push or pull.
         self.bytes_sent = self.bytes_received = 0
@@ -81,11 +83,13 @@ class SyncerClient:
     def register(self, learner_id: int, fingerprint: str, mesh: str = "") -> pb.RegisterReply:
         """Registers this learner; refused (FAILED_PRECONDITION) if the model differs."""
         request = pb.RegisterRequest(learner_id=learner_id, fingerprint=fingerprint, mesh=mesh)
-        return self._call(
+        reply = self._call(
             lambda: self.stub.Register(
                 request, timeout=self.config.rpc_timeout_s, metadata=self.metadata
             )
         )
+        self.incarnations[learner_id] = reply.incarnation
+        return reply
 
     def heartbeat(self, **fields: Any) -> pb.HeartbeatReply:
         """Reports progress (fields of `HeartbeatRequest`); one quick try, no retries."""
@@ -117,7 +121,7 @@ class SyncerClient:
                 if i == 0:
                     chunk = pb.PushChunk(header=header, data=piece).SerializeToString()
                 else:
-                    chunk = wire.data_chunk(wire.PUSH_DATA_TAG, piece)
+                    chunk = wire.push_data_chunk(i, piece)
                 self._count(sent=len(chunk))
                 if sent is not None:
                     sent[0] += len(chunk)
@@ -164,6 +168,8 @@ class SyncerClient:
             tokens=tokens,
             tensors=wire.headers(specs) if tensors is None else tensors,
             total_bytes=sum(np.asarray(a).nbytes for a in arrays),
+            payload_crc32=wire.crc32(arrays),
+            incarnation=self.incarnations.get(learner_id, 0),
         )
         sent = [0]
         stream = self.push_chunks(header, arrays, sent)

@@ -14,6 +14,19 @@ import grpc
 T = TypeVar("T")
 # Worth retrying: the syncer may be restarting or busy. Everything else is a real refusal.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Set on a RESOURCE_EXHAUSTED refusal that is about the syncer's capacity now (busy), not about
+# the request (too big): only those are retried.
+RETRY_TRAILER = "x-dd-retry"
+
+
+def retryable(error: grpc.RpcError) -> bool:
+    """Whether a failed call is worth another attempt (the syncer restarting or busy)."""
+    code = error.code() if hasattr(error, "code") else None
+    if code in RETRYABLE:
+        return True
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hasattr(error, "trailing_metadata"):
+        return any(k == RETRY_TRAILER for k, _ in error.trailing_metadata() or ())
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +69,7 @@ def retry(
         try:
             return call()
         except grpc.RpcError as error:
-            if error.code() not in RETRYABLE or (attempts is not None and attempt >= attempts):
+            if not retryable(error) or (attempts is not None and attempt >= attempts):
                 raise
         if on_retry is not None:
             on_retry()

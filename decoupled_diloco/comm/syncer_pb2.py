@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"decoupled_diloco/comm/syncer.proto\x12\x10\x64\x65\x63oupled_diloco\"\xb4\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06scheme\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x16\n\x0e\x66ormat_version\x18\x06 \x01(\x05\x12\x15\n\rvalues_scheme\x18\x07 \x01(\t\x12\x0e\n\x06topk_k\x18\x08 \x01(\x05\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\"H\n\x0fRegisterRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04mesh\x18\x03 \x01(\t\"8\n\rRegisterReply\x12\x15\n\rnum_fragments\x18\x01 \x01(\x05\x12\x10\n\x08versions\x18\x02 \x03(\x03\"\xef\x01\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12\x10\n\x08versions\x18\x06 \x03(\x03\x12\x11\n\tblocked_s\x18\x07 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x08 \x01(\x01\x12\x11\n\teval_loss\x18\t \x01(\x01\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x03\x12\x13\n\x0bsync_rounds\x18\x0c \x01(\x03\"?\n\x0eHeartbeatReply\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x1b\n\x13\x66\x61stest_step_time_s\x18\x02 \x01(\x01\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\xbc\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12/\n\x07tensors\x18\x07 \x03(\x0b\x32\x1e.decoupled_diloco.TensorHeader\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\"G\n\tPushChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.decoupled_diloco.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Q\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\x80\x01\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x13\n\x0bmin_version\x18\x03 \x01(\x03\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x10\n\x08has_copy\x18\x05 \x01(\x08\x12\x14\n\x0chave_version\x18\x06 \x01(\x03\"\xab\x01\n\rFragmentChunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12/\n\x07tensors\x18\x03 \x03(\x0b\x32\x1e.decoupled_diloco.TensorHeader\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x03\x32\x83\x03\n\x06Syncer\x12N\n\x08Register\x12!.decoupled_diloco.RegisterRequest\x1a\x1f.decoupled_diloco.RegisterReply\x12Q\n\tHeartbeat\x12\".decoupled_diloco.HeartbeatRequest\x1a .decoupled_diloco.HeartbeatReply\x12H\n\x06Status\x12\x1f.decoupled_diloco.StatusRequest\x1a\x1d.decoupled_diloco.StatusReply\x12\x42\n\x04Push\x12\x1b.decoupled_diloco.PushChunk\x1a\x1b.decoupled_diloco.PushReply(\x01\x12H\n\x04Pull\x12\x1d.decoupled_diloco.PullRequest\x1a\x1f.decoupled_diloco.FragmentChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"decoupled_diloco/comm/syncer.proto\x12\x10\x64\x65\x63oupled_diloco\"\xb4\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06scheme\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x16\n\x0e\x66ormat_version\x18\x06 \x01(\x05\x12\x15\n\rvalues_scheme\x18\x07 \x01(\t\x12\x0e\n\x06topk_k\x18\x08 \x01(\x05\x12\x15\n\rpayload_bytes\x18\t \x01(\x03\"H\n\x0fRegisterRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x0c\n\x04mesh\x18\x03 \x01(\t\"M\n\rRegisterReply\x12\x15\n\rnum_fragments\x18\x01 \x01(\x05\x12\x10\n\x08versions\x18\x02 \x03(\x03\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\"\xef\x01\n\x10HeartbeatRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\r\n\x05state\x18\x05 \x01(\t\x12\x10\n\x08versions\x18\x06 \x03(\x03\x12\x11\n\tblocked_s\x18\x07 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x08 \x01(\x01\x12\x11\n\teval_loss\x18\t \x01(\x01\x12\x12\n\nbytes_sent\x18\n \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x0b \x01(\x03\x12\x13\n\x0bsync_rounds\x18\x0c \x01(\x03\"?\n\x0eHeartbeatReply\x12\x10\n\x08versions\x18\x01 \x03(\x03\x12\x1b\n\x13\x66\x61stest_step_time_s\x18\x02 \x01(\x01\"\x0f\n\rStatusRequest\"\x1b\n\x0bStatusReply\x12\x0c\n\x04json\x18\x01 \x01(\t\"\xe8\x01\n\nPushHeader\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\r\n\x05steps\x18\x05 \x01(\x03\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12/\n\x07tensors\x18\x07 \x03(\x0b\x32\x1e.decoupled_diloco.TensorHeader\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\x12\x15\n\rpayload_crc32\x18\t \x01(\r\x12\x13\n\x0bincarnation\x18\n \x01(\x03\"T\n\tPushChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.decoupled_diloco.PushHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03seq\x18\x03 \x01(\x03\"Q\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\x80\x01\n\x0bPullRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\x12\x13\n\x0bmin_version\x18\x03 \x01(\x03\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\x12\x10\n\x08has_copy\x18\x05 \x01(\x08\x12\x14\n\x0chave_version\x18\x06 \x01(\x03\"\xab\x01\n\rFragmentChunk\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12/\n\x07tensors\x18\x03 \x03(\x0b\x32\x1e.decoupled_diloco.TensorHeader\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x03\x32\x83\x03\n\x06Syncer\x12N\n\x08Register\x12!.decoupled_diloco.RegisterRequest\x1a\x1f.decoupled_diloco.RegisterReply\x12Q\n\tHeartbeat\x12\".decoupled_diloco.HeartbeatRequest\x1a .decoupled_diloco.HeartbeatReply\x12H\n\x06Status\x12\x1f.decoupled_diloco.StatusRequest\x1a\x1d.decoupled_diloco.StatusReply\x12\x42\n\x04Push\x12\x1b.decoupled_diloco.PushChunk\x1a\x1b.decoupled_diloco.PushReply(\x01\x12H\n\x04Pull\x12\x1d.decoupled_diloco.PullRequest\x1a\x1f.decoupled_diloco.FragmentChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=239
   _globals['_REGISTERREQUEST']._serialized_end=311
   _globals['_REGISTERREPLY']._serialized_start=313
-  _globals['_REGISTERREPLY']._serialized_end=369
-  _globals['_HEARTBEATREQUEST']._serialized_start=372
-  _globals['_HEARTBEATREQUEST']._serialized_end=611
-  _globals['_HEARTBEATREPLY']._serialized_start=613
-  _globals['_HEARTBEATREPLY']._serialized_end=676
-  _globals['_STATUSREQUEST']._serialized_start=678
-  _globals['_STATUSREQUEST']._serialized_end=693
-  _globals['_STATUSREPLY']._serialized_start=695
-  _globals['_STATUSREPLY']._serialized_end=722
-  _globals['_PUSHHEADER']._serialized_start=725
-  _globals['_PUSHHEADER']._serialized_end=913
-  _globals['_PUSHCHUNK']._serialized_start=915
-  _globals['_PUSHCHUNK']._serialized_end=986
-  _globals['_PUSHREPLY']._serialized_start=988
-  _globals['_PUSHREPLY']._serialized_end=1069
-  _globals['_PULLREQUEST']._serialized_start=1072
-  _globals['_PULLREQUEST']._serialized_end=1200
-  _globals['_FRAGMENTCHUNK']._serialized_start=1203
-  _globals['_FRAGMENTCHUNK']._serialized_end=1374
-  _globals['_SYNCER']._serialized_start=1377
-  _globals['_SYNCER']._serialized_end=1764
+  _globals['_REGISTERREPLY']._serialized_end=390
+  _globals['_HEARTBEATREQUEST']._serialized_start=393
+  _globals['_HEARTBEATREQUEST']._serialized_end=632
+  _globals['_HEARTBEATREPLY']._serialized_start=634
+  _globals['_HEARTBEATREPLY']._serialized_end=697
+  _globals['_STATUSREQUEST']._serialized_start=699
+  _globals['_STATUSREQUEST']._serialized_end=714
+  _globals['_STATUSREPLY']._serialized_start=716
+  _globals['_STATUSREPLY']._serialized_end=743
+  _globals['_PUSHHEADER']._serialized_start=746
+  _globals['_PUSHHEADER']._serialized_end=978
+  _globals['_PUSHCHUNK']._serialized_start=980
+  _globals['_PUSHCHUNK']._serialized_end=1064
+  _globals['_PUSHREPLY']._serialized_start=1066
+  _globals['_PUSHREPLY']._serialized_end=1147
+  _globals['_PULLREQUEST']._serialized_start=1150
+  _globals['_PULLREQUEST']._serialized_end=1278
+  _globals['_FRAGMENTCHUNK']._serialized_start=1281
+  _globals['_FRAGMENTCHUNK']._serialized_end=1452
+  _globals['_SYNCER']._serialized_start=1455
+  _globals['_SYNCER']._serialized_end=1842
 # @@protoc_insertion_point(module_scope)

@@ -39,12 +39,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., fingerprint: _Optional[str] = ..., mesh: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("num_fragments", "versions")
+    __slots__ = ("num_fragments", "versions", "incarnation")
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     num_fragments: int
     versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_fragments: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, num_fragments: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("learner_id", "step", "tokens", "loss", "state", "versions", "blocked_s", "step_time_s", "eval_loss", "bytes_sent", "bytes_received", "sync_rounds")
@@ -93,7 +95,7 @@ class StatusReply(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes")
+    __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes", "payload_crc32", "incarnation")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,8 @@ class PushHeader(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fragment: int
     round: int
@@ -110,15 +114,19 @@ class PushHeader(_message.Message):
     tokens: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     total_bytes: int
-    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    payload_crc32: int
+    incarnation: int
+    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "seq")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    seq: int
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "duplicate", "reason", "version")

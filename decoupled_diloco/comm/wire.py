@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -34,6 +35,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 # tag + varint length + bytes, which both ends write and read without a protobuf copy.
 PUSH_DATA_TAG = 2 << 3 | 2
 PULL_DATA_TAG = 5 << 3 | 2
+PUSH_SEQ_TAG = 3 << 3 | 0  # PushChunk.seq (varint), written before `data`
 
 
 class PayloadError(ValueError):
@@ -137,12 +139,43 @@ def parse_data_chunk(tag: int, raw: bytes) -> memoryview | None:
     return None
 
 
+def push_data_chunk(seq: int, data: bytes) -> bytes:
+    """A PushChunk with only `seq` and `data` (as protobuf encodes it, one copy)."""
+    return b"".join((bytes([PUSH_SEQ_TAG]), _varint(seq), data_chunk(PUSH_DATA_TAG, data)))
+
+
+def parse_push_data_chunk(raw: bytes) -> tuple[int, memoryview] | None:
+    """(seq, data view) of a chunk `push_data_chunk` wrote, or None for any other encoding."""
+    if len(raw) < 3 or raw[0] != PUSH_SEQ_TAG:
+        return None
+    seq, shift, pos = 0, 0, 1
+    while pos < len(raw) and shift < 64:
+        byte = raw[pos]
+        seq |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            view = parse_data_chunk(PUSH_DATA_TAG, memoryview(raw)[pos:])
+            return None if view is None else (seq, view)
+    return None
+
+
+def _le_bytes(a: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))).cast(
+        "B"
+    )
+
+
+def crc32(arrays: Sequence[np.ndarray]) -> int:
+    """The zlib CRC-32 of the arrays' bytes as `chunk_arrays` sends them (`payload_crc32`)."""
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(_le_bytes(np.asarray(a)), crc)
+    return crc
+
+
 def chunk_arrays(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[bytes]:
     """The arrays' little-endian bytes cut into chunks, copied once (no concatenated buffer)."""
-    views = [
-        memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))).cast("B")
-        for a in arrays
-    ]
+    views = [_le_bytes(a) for a in arrays]
     parts: list[memoryview] = []
     size = 0
     for view in views:

@@ -92,6 +92,17 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
     )
     _check(s.snapshot_s >= 0, "decoupled.syncer.snapshot_s", "must be >= 0")
     _check(s.max_unsent >= 1, "decoupled.syncer.max_unsent", f"must be >= 1, got {s.max_unsent}")
+    _check(s.max_delta_norm > 0, "decoupled.syncer.max_delta_norm", "must be > 0")
+    _check(
+        0 < s.max_weight_share <= 1,
+        "decoupled.syncer.max_weight_share",
+        f"must be in (0, 1], got {s.max_weight_share}",
+    )
+    _check(s.max_inflight_bytes >= 0, "decoupled.syncer.max_inflight_bytes", "must be >= 0")
+    _check(
+        s.max_streams_per_learner >= 0, "decoupled.syncer.max_streams_per_learner", "must be >= 0"
+    )
+    _check(s.stream_idle_s > 0, "decoupled.syncer.stream_idle_s", "must be > 0")
 
 
 def _validate_compression(z: CompressionConfig) -> None:

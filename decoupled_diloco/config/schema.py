@@ -189,6 +189,14 @@ class SyncerConfig:
         acknowledgements wait for the log's disk sync, see `syncer.durability`).
       max_unsent: undelivered pushes a learner keeps per fragment while its syncer is down
         (beyond that the oldest is dropped and counted; see `learner.outbox`).
+      max_delta_norm: a push whose outer-gradient norm exceeds this times its fragment's norm
+        is refused (`syncer.admission`); honest outer gradients stay far below it.
+      max_weight_share: in a merge of 2+ pushes, no push's token-weight share exceeds this.
+      max_inflight_bytes: push payload bytes the syncer buffers at once (0: twice
+        `num_learners` times the largest fragment); beyond it pushes wait and retry.
+      max_streams_per_learner: data calls one learner may hold open (0: what its link opens at
+        most, fragments · (max_unsent + 1) + 2).
+      stream_idle_s: a push or pull stream that moves nothing this long is cut.
     """
 
     host: str = "127.0.0.1"
@@ -207,6 +215,11 @@ class SyncerConfig:
     shards: int = 1
     snapshot_s: float = 10.0
     max_unsent: int = 4
+    max_delta_norm: float = 10.0
+    max_weight_share: float = 0.8
+    max_inflight_bytes: int = 0
+    max_streams_per_learner: int = 0
+    stream_idle_s: float = 30.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ All functions are pure and work on any pytree of arrays (numpy or jax); they onl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -57,9 +58,40 @@ def mean_only_mask(tree: PyTree, is_mean_only: Callable[[str], bool]) -> PyTree:
     )
 
 
+def bounded_shares(weights: Sequence[float], cap: float) -> list[float]:
+    """Normalised weights (summing to 1) in which no entry exceeds `cap`, where that is possible.
+
+    An entry above the cap is cut to it and the rest is shared among the others in proportion
+    to their weights, repeated until none exceeds it (water-filling), so one outer gradient with
+    an outsized token count cannot stand in for the whole merge. With k entries and k·cap < 1
+    (no way to respect the cap) the shares are equal. Computed in float64 on the host: no weight
+    can overflow. All-zero weights give all-zero shares (a merge that moves nothing).
+    """
+    w = [max(float(x), 0.0) for x in weights]
+    total = math.fsum(w)
+    if not total > 0:
+        return [0.0] * len(w)
+    if cap * len(w) <= 1.0:
+        return [1.0 / len(w)] * len(w)
+    shares, fixed = [x / total for x in w], set()
+    while True:
+        over = {i for i, s in enumerate(shares) if s > cap and i not in fixed}
+        if not over:
+            return shares
+        fixed |= over
+        free = [i for i in range(len(w)) if i not in fixed]
+        rest = 1.0 - cap * len(fixed)
+        free_total = math.fsum(w[i] for i in free)
+        for i in fixed:
+            shares[i] = cap
+        for i in free:
+            shares[i] = rest * (w[i] / free_total if free_total > 0 else 1.0 / len(free))
+
+
 def _normalized(weights: Sequence[float] | jax.Array) -> jax.Array:
     w_M = jnp.asarray(weights, dtype=jnp.float32)
-    return w_M / jnp.sum(w_M)
+    total = jnp.sum(w_M)
+    return jnp.where(total > 0, w_M / jnp.where(total > 0, total, 1.0), 0.0)  # never 0/0
 
 
 def weighted_mean(deltas: Sequence[PyTree], weights: Sequence[float] | jax.Array) -> PyTree:

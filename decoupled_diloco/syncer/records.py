@@ -47,6 +47,7 @@ class Push:
     steps: int
     tokens: int
     delta: list[np.ndarray]
+    incarnation: int = 0  # of the registration that sent it (`SyncerState.register`)
 
 
 @dataclasses.dataclass
@@ -77,3 +78,5 @@ class LearnerInfo:
     bytes_sent: int = 0  # the learner's data-call traffic so far (its heartbeat's counters)
     bytes_received: int = 0
     sync_rounds: int = 0
+    incarnation: int = -1  # of its last registration (0 for the first); older pushes refused
+    dropped_pushes: int = 0  # accepted pushes whose merge was refused (`SyncerState._merge`)

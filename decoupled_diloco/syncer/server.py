@@ -1,40 +1,28 @@
-r"""The syncer process: a gRPC server around `SyncerState`.
+r"""The syncer process: a gRPC server around `SyncerState`, serving `service.SyncerService`.
 
   DD_RUN_TOKEN=secret python -m decoupled_diloco.syncer --port=50051 \
       --config=experiments/configs/tiny_lm.py --config.mode=decoupled
 
-Every call must carry the run token (metadata `x-dd-run-token`), else UNAUTHENTICATED.
-Register checks the model fingerprint; pushes are validated (fragment id, tensor names, shapes,
-dtypes, byte counts, size limit, finite values) before anything touches the state, and a bad
-one is refused with INVALID_ARGUMENT or RESOURCE_EXHAUSTED and a message.
+What a call must carry and what is checked: `syncer.service`.
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
-import json
 import os
 import pathlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any
 
 import grpc
 import jax
-import numpy as np
 
 from decoupled_diloco import tasks
-from decoupled_diloco.comm import syncer_pb2 as pb
-from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm import wire
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.core import compression
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.core.compression import Codec
-from decoupled_diloco.syncer.downlink import Downlink
-from decoupled_diloco.syncer.records import Push
+from decoupled_diloco.syncer.service import CONTROL_THREADS, SyncerService, add_service, data_slots
 from decoupled_diloco.syncer.state import SyncerState
 
 
@@ -69,243 +57,6 @@ def pause_in_merge(spec: str) -> Callable[[], None]:
             threading.Event().wait()
 
     return hook
-
-
-class SyncerService(pb_grpc.SyncerServicer):
-    """The RPC handlers: authentication and validation in front of `SyncerState`."""
-
-    def __init__(self, state: SyncerState, token: str, fingerprint: str):
-        self.state, self.token, self.fingerprint = state, token, fingerprint
-        self.committer: Any = None  # set by `SyncerServer` when the state is durable
-        self.syncer_config = state.config.decoupled.syncer
-        # Encoded pull chunks per (fragment, version): encoded once, shared by every learner.
-        self._encoded: dict[tuple[int, int], list[bytes]] = {}
-        self._encode_lock = threading.Lock()
-        z = state.config.compression
-        # Compressed downlink: per-learner differences from the copy each one holds.
-        lossy = z.downlink and z.scheme != "none"
-        self.downlink = Downlink(compression.codec_for(z)) if lossy else None
-
-    def _authorize(self, context: grpc.ServicerContext) -> None:
-        got = dict(context.invocation_metadata()).get(wire.TOKEN_HEADER, "")
-        if not hmac.compare_digest(got.encode(), self.token.encode()):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
-
-    def _fragment(self, p: int, context: grpc.ServicerContext) -> None:
-        if not 0 <= p < len(self.state.fragments):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"fragment {p} does not exist (the model has {len(self.state.fragments)})",
-            )
-        if p not in self.state.owned:
-            shards = self.state.config.decoupled.syncer.shards
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"fragment {p} belongs to syncer shard {p % shards} of {shards}, not this one",
-            )
-
-    def _durable(self, context: grpc.ServicerContext) -> None:
-        """Waits until every change so far is committed (see `syncer.durability`)."""
-        if not self.state.wait_committed(self.state.seq, self.syncer_config.rpc_timeout_s):
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer could not commit its state")
-
-    def _known(self, learner_id: int, context: grpc.ServicerContext) -> None:
-        if learner_id not in self.state.learners:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"learner {learner_id}: register first"
-            )
-
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext):  # noqa: D102
-        self._authorize(context)
-        if not 0 <= request.learner_id < self.state.config.num_learners:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"learner id {request.learner_id} is not in [0, {self.state.config.num_learners})",
-            )
-        if request.fingerprint != self.fingerprint:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"learner {request.learner_id}: model fingerprint {request.fingerprint} does not "
-                f"match the syncer's {self.fingerprint} (different tree structure, shapes or "
-                "dtypes: check config.model on both sides)",
-            )
-        versions = self.state.register(request.learner_id, request.mesh)
-        self._durable(context)
-        return pb.RegisterReply(num_fragments=len(versions), versions=versions)
-
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext):  # noqa: D102
-        self._authorize(context)
-        self._known(request.learner_id, context)
-        versions = self.state.heartbeat(
-            request.learner_id,
-            step=request.step,
-            tokens=request.tokens,
-            loss=request.loss,
-            eval_loss=request.eval_loss,
-            bytes_sent=request.bytes_sent,
-            bytes_received=request.bytes_received,
-            sync_rounds=request.sync_rounds,
-            state=request.state or "training",
-            versions=list(request.versions),
-            blocked_s=request.blocked_s,
-            step_time_s=request.step_time_s,
-        )
-        return pb.HeartbeatReply(
-            versions=versions, fastest_step_time_s=self.state.fastest_step_time()
-        )
-
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext):  # noqa: D102
-        self._authorize(context)
-        status = self.state.status()
-        if self.committer is not None:  # durable syncer: log syncs and snapshots
-            status["durability"] = self.committer.stats()
-        return pb.StatusReply(json=json.dumps(status))
-
-    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
-        self._authorize(context)
-        invalid, exhausted = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
-        raw = next(request_iterator, None)
-        first = pb.PushChunk.FromString(raw) if raw is not None else None
-        if first is None or not first.HasField("header"):
-            context.abort(invalid, "a push must start with a header")
-        h = first.header
-        self._fragment(h.fragment, context)
-        self._known(h.learner_id, context)
-        specs = self.state.fragments[h.fragment].specs
-        limit = self.syncer_config.max_push_bytes
-        try:
-            expected = wire.check_headers(h.tensors, specs)
-        except wire.PayloadError as error:
-            context.abort(invalid, f"fragment {h.fragment}: {error}")
-        if max(h.total_bytes, expected) > limit:
-            context.abort(
-                exhausted, f"push of {max(h.total_bytes, expected)} bytes > limit {limit}"
-            )
-        if h.total_bytes != expected:
-            context.abort(invalid, f"header says {h.total_bytes} bytes, tensors need {expected}")
-        if h.steps < 1 or h.tokens < 0:
-            context.abort(
-                invalid, f"counters must be steps >= 1, tokens >= 0: {h.steps}, {h.tokens}"
-            )
-        if h.base_version > self.state.fragments[h.fragment].published:
-            context.abort(invalid, f"base version {h.base_version} is from the future")
-        pieces, received = [first.data], len(first.data)
-        for raw in request_iterator:
-            data = wire.parse_data_chunk(wire.PUSH_DATA_TAG, raw)
-            data = data if data is not None else pb.PushChunk.FromString(raw).data
-            pieces.append(data)
-            received += len(data)
-            if received > limit:
-                context.abort(exhausted, f"payload passed the {limit}-byte limit")
-        try:  # decodes (and checks) every tensor before the state sees any of them
-            delta = wire.decode_payload(b"".join(pieces), h.tensors, specs)
-        except wire.PayloadError as error:
-            context.abort(invalid, f"fragment {h.fragment}: {error}")
-        result = self.state.push(
-            Push(h.learner_id, h.fragment, h.round, h.base_version, h.steps, h.tokens, delta)
-        )
-        self._durable(context)  # acknowledged only once a restart cannot lose it
-        return pb.PushReply(
-            accepted=result.accepted,
-            duplicate=result.duplicate,
-            reason=result.reason,
-            version=result.version,
-        )
-
-    def _payload(self, p: int, version: int, values: list[np.ndarray]) -> list[bytes]:
-        """The chunks of one fragment version, cut once and shared by every learner's pull."""
-        with self._encode_lock:
-            key = (p, version)
-            if key not in self._encoded:
-                self._encoded = {k: v for k, v in self._encoded.items() if k[0] != p}
-                chunk_bytes = self.syncer_config.chunk_bytes
-                self._encoded[key] = list(wire.chunk_arrays(values, chunk_bytes))
-                tail = self._encoded[key][1:]
-                self._encoded[key][1:] = [wire.data_chunk(wire.PULL_DATA_TAG, c) for c in tail]
-            return self._encoded[key]
-
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext):  # noqa: D102
-        self._authorize(context)
-        self._fragment(request.fragment, context)
-        wait_s = min(max(request.wait_s, 0.0), self.syncer_config.rpc_timeout_s)
-        version, values = self.state.wait_for(request.fragment, request.min_version, wait_s)
-        if version < 0:
-            yield pb.FragmentChunk(fragment=request.fragment, version=-1)
-            return
-        specs = self.state.fragments[request.fragment].specs
-        if self.downlink is not None and request.learner_id >= 0:
-            yield from self._compressed_pull(request, version, values, specs)
-            self.state.record_sync_time(request.fragment, version, request.learner_id)
-            return
-        pieces = self._payload(request.fragment, version, values)
-        total = sum(s.nbytes for s in specs)
-        yield pb.FragmentChunk(
-            fragment=request.fragment,
-            version=version,
-            tensors=wire.headers(specs),
-            total_bytes=total,
-            data=pieces[0],
-        )
-        yield from pieces[1:]  # already encoded data-only chunks
-        self.state.record_sync_time(request.fragment, version, request.learner_id)
-
-    def _compressed_pull(
-        self, request: pb.PullRequest, version: int, values: list, specs: list
-    ) -> Iterator[Any]:
-        """A learner's pull with `compression.downlink`: the difference from its own copy."""
-        base, payload = self.downlink.reply(
-            request.learner_id,
-            request.fragment,
-            version,
-            values,
-            specs,
-            request.have_version if request.has_copy else None,
-        )
-        codec = self.downlink.codec if base is not None else Codec("none")
-        arrays = wire.encoded_arrays(payload, specs, codec) if base is not None else payload
-        tensors = wire.headers(specs, codec)
-        pieces = list(wire.chunk_arrays(arrays, self.syncer_config.chunk_bytes))
-        yield pb.FragmentChunk(
-            fragment=request.fragment,
-            version=version,
-            tensors=tensors,
-            total_bytes=sum(h.payload_bytes for h in tensors),
-            data=pieces[0],
-            delta=base is not None,
-            base_version=base or 0,
-        )
-        yield from (wire.data_chunk(wire.PULL_DATA_TAG, c) for c in pieces[1:])
-
-
-def _serialize(message: Any) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def add_service(service: SyncerService, server: grpc.Server) -> None:
-    """Registers the handlers; the data calls take and give raw bytes (see `wire.data_chunk`).
-
-    Mirrors the generated `add_SyncerServicer_to_server`, except that Push requests arrive
-    unparsed and Pull responses may be pre-encoded bytes, which saves two copies per chunk.
-    """
-    handlers = {
-        "Register": grpc.unary_unary_rpc_method_handler(
-            service.Register, pb.RegisterRequest.FromString, _serialize
-        ),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(
-            service.Heartbeat, pb.HeartbeatRequest.FromString, _serialize
-        ),
-        "Status": grpc.unary_unary_rpc_method_handler(
-            service.Status, pb.StatusRequest.FromString, _serialize
-        ),
-        "Push": grpc.stream_unary_rpc_method_handler(service.Push, None, _serialize),
-        "Pull": grpc.unary_stream_rpc_method_handler(
-            service.Pull, pb.PullRequest.FromString, _serialize
-        ),
-    }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("decoupled_diloco.Syncer", handlers),)
-    )
-    server.add_registered_method_handlers("decoupled_diloco.Syncer", handlers)
 
 
 class SyncerServer:
@@ -364,12 +115,11 @@ class SyncerServer:
         self.service = SyncerService(self.state, token or wire.run_token(s), self.fingerprint)
         self.service.committer = self.committer
         self.server = grpc.server(
-            # A pull holds its thread while it waits for a merge, and every learner may have one
-            # per fragment in flight; pushes, heartbeats and status calls must still get a thread.
-            futures.ThreadPoolExecutor(
-                max_workers=config.num_learners * (config.decoupled.fragments + 3) + 8
-            ),
+            # Data calls hold at most `data_slots` threads (`syncer.guard`); the rest serve the
+            # control calls, which therefore never wait behind a push or a pull.
+            futures.ThreadPoolExecutor(max_workers=data_slots(config) + CONTROL_THREADS),
             options=wire.channel_options(s.chunk_bytes),
+            maximum_concurrent_rpcs=4 * (data_slots(config) + CONTROL_THREADS),
         )
         add_service(self.service, self.server)
         address = f"{host or s.host}:{port if port >= 0 else s.port}"
@@ -407,5 +157,6 @@ class SyncerServer:
         """Stops serving (in-flight calls get `grace_s` to finish)."""
         self._stop.set()
         self.server.stop(grace_s).wait()
+        self.service.guard.close()
         if self.committer is not None:
             self.committer.stop()

@@ -27,7 +27,14 @@ to drop more stale work, or set 0 for the strict rule.
 
 Idempotency: (learner, fragment, round) identifies a push; a retry of one already handled gets
 the first answer again, with `duplicate=True`, and is never counted twice. A learner that
-registers again (a restarted process) starts a new incarnation whose rounds count from 0.
+registers again (a restarted process) starts a new incarnation whose rounds count from 0; a
+push of an older incarnation is refused, so a replay cannot reopen the rounds of one.
+
+Defence in depth: the server admits only bounded counters and outer-gradient norms
+(`syncer.admission`); merges weight pushes by token-weight shares capped at
+`max_weight_share`; and a merge's result is checked finite and within its step bound before it
+is installed. A merge that fails the check is refused: its pushes are dropped (counted per
+learner, logged), the version does not move, nothing reaches the write-ahead log.
 """
 
 from __future__ import annotations
@@ -41,11 +48,17 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
 from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
+from decoupled_diloco.syncer import admission
 from decoupled_diloco.syncer.records import Ema, LearnerInfo, Push, PushResult, grace_window
+
+
+class PushRefused(ValueError):
+    """A push the state refuses before it changes anything (the message says why)."""
 
 
 class FragmentState:
@@ -67,7 +80,7 @@ class FragmentState:
         # their pulls are return trips (ξ_sync); anyone else's pull of it is just catching up.
         self.awaiting_sync: dict[int, set[int]] = {}
         self.grace_s = 0.0
-        self.merges = self.late = self.duplicates = 0
+        self.merges = self.late = self.duplicates = self.refused_merges = 0
 
 
 class SyncerState:
@@ -174,16 +187,17 @@ class SyncerState:
             times = [self.learners[i].step_time_s for i in live if self.learners[i].step_time_s > 0]
             return min(times, default=0.0)
 
-    def register(self, learner_id: int, mesh: str) -> list[int]:
-        """Registers (or re-registers) a learner; returns the fragment versions."""
+    def register(self, learner_id: int, mesh: str) -> tuple[list[int], int]:
+        """Registers (or re-registers) a learner; returns the fragment versions, its incarnation."""
         with self.lock:
             info = self.learners.setdefault(learner_id, LearnerInfo())
             info.mesh, info.state, info.last_seen = mesh, "training", self.clock()
+            info.incarnation += 1
             # A (re)registration is a new incarnation that numbers its rounds from 0 again:
             # forget the old one's idempotency keys, or its first pushes would look like retries.
             self.seen = {k: v for k, v in self.seen.items() if k[0] != learner_id}
             self._changed("register", learner_id)  # a restart must not resurrect old keys
-            return self.versions()
+            return self.versions(), info.incarnation
 
     def heartbeat(self, learner_id: int, **fields: Any) -> list[int]:
         """Records a learner's progress; returns the fragment versions."""
@@ -230,10 +244,27 @@ class SyncerState:
     # Pushes and rounds -----------------------------------------------------------------------
 
     def push(self, push: Push) -> PushResult:
-        """Handles one validated push under the idempotency and late-push rules (module doc)."""
+        """Handles one validated push under the idempotency and late-push rules (module doc).
+
+        Raises:
+          PushRefused: a push of an older incarnation of its learner, or one whose counters,
+            added to the learner's pending push of the fragment, pass `train_steps`.
+        """
         with self.lock:
             key = (push.learner_id, push.fragment, push.round)
             frag = self.fragments[push.fragment]
+            info = self.learners.setdefault(push.learner_id, LearnerInfo())
+            if push.incarnation != info.incarnation:
+                raise PushRefused(
+                    f"incarnation {push.incarnation} is not the current one ({info.incarnation}): "
+                    "the learner registered again since (replays of old rounds are refused)"
+                )
+            previous = frag.pending.get(push.learner_id)
+            if previous is not None and previous.steps + push.steps > self.config.train_steps:
+                raise PushRefused(
+                    f"steps={push.steps} on top of the pending {previous.steps} pass "
+                    f"train_steps={self.config.train_steps}"
+                )
             if key in self.seen:
                 frag.duplicates += 1
                 return dataclasses.replace(self.seen[key], duplicate=True)
@@ -245,7 +276,6 @@ class SyncerState:
                 self._add(frag, push)
                 result = PushResult(True, version=frag.version)
             self.seen[key] = result
-            info = self.learners.setdefault(push.learner_id, LearnerInfo())
             info.pushes += 1
             info.last_seen = self.clock()
             self._changed("push", key)
@@ -317,7 +347,8 @@ class SyncerState:
     def _merge(self, p: int) -> None:
         frag = self.fragments[p]
         pushes = [frag.pending[i] for i in sorted(frag.pending)]
-        weights = [outer.token_weight(x.tokens, x.steps) for x in pushes]
+        raw = [outer.token_weight(x.tokens, x.steps) for x in pushes]
+        weights = outer.bounded_shares(raw, self.config.decoupled.syncer.max_weight_share)
         m = self.config.num_learners
         zeros = self._tree(frag, [np.zeros_like(v) for v in frag.values])
         deltas = [self._tree(frag, x.delta) for x in pushes] + [zeros] * (m - len(pushes))
@@ -329,11 +360,18 @@ class SyncerState:
         new_values, opt_state = self._rounds[p](
             self._tree(frag, frag.values), frag.opt_state, deltas, padded, scale
         )
-        frag.opt_state = jax.device_get(opt_state)
         new_values = jax.device_get(new_values)
+        new_values = [np.asarray(new_values[s.name]) for s in frag.specs]
+        o, s = self.config.outer, self.config.decoupled.syncer
+        bound = admission.merged_step_bound(frag.values, s.max_delta_norm, o.lr, o.momentum)
+        error = admission.check_merged(frag.values, new_values, bound)
+        if error:
+            self._refuse_merge(p, pushes, error)
+            return
+        frag.opt_state = jax.device_get(opt_state)
         if self.merge_hook is not None:
             self.merge_hook()
-        frag.values = [np.asarray(new_values[s.name]) for s in frag.specs]
+        frag.values = new_values
         frag.version += 1
         if not self.durable:  # else the committer publishes it once it is on disk
             frag.published, frag.published_values = frag.version, frag.values
@@ -352,7 +390,8 @@ class SyncerState:
                 "learners": [x.learner_id for x in pushes],
                 "steps": [x.steps for x in pushes],
                 "tokens": [x.tokens for x in pushes],
-                "weights": weights,
+                "weights": raw,
+                "shares": weights,
                 "grace_s": frag.grace_s,
                 "waited_s": now - frag.first_push_t,
                 "ema_step_s": self.ema_step.get(),
@@ -363,6 +402,24 @@ class SyncerState:
         frag.pending, frag.first_push_t, frag.quorum_t, frag.closed_t = {}, None, None, now
         self._changed("merge", p)
 
+    def _refuse_merge(self, p: int, pushes: list[Push], error: str) -> None:
+        """Drops a round whose merge failed its check; the fragment stays as it was."""
+        frag = self.fragments[p]
+        frag.refused_merges += 1
+        for x in pushes:
+            self.learners.setdefault(x.learner_id, LearnerInfo()).dropped_pushes += 1
+        logging.error(
+            "[syncer] merge of fragment %d refused (%s): dropped the pushes of learners %s "
+            "(steps %s, tokens %s); the fragment stays at version %d",
+            p,
+            error,
+            [x.learner_id for x in pushes],
+            [x.steps for x in pushes],
+            [x.tokens for x in pushes],
+            frag.version,
+        )
+        frag.pending, frag.first_push_t, frag.quorum_t = {}, None, None
+
     def _changed(self, kind: str, *args: Any) -> None:
         """Counts a change a restart must not lose, and logs it to the write-ahead log if any."""
         self.seq += 1
@@ -371,14 +428,24 @@ class SyncerState:
 
     # Pulls and status ------------------------------------------------------------------------
 
-    def wait_for(self, p: int, min_version: int, timeout_s: float) -> tuple[int, list[np.ndarray]]:
-        """Blocks until fragment p reaches `min_version` (or the timeout); returns its value."""
+    def wait_for(
+        self,
+        p: int,
+        min_version: int,
+        timeout_s: float,
+        alive: Callable[[], bool] = lambda: True,
+    ) -> tuple[int, list[np.ndarray]]:
+        """Blocks until fragment p reaches `min_version` (or the timeout); returns its value.
+
+        `alive` (the call still open) is checked while it waits: a caller that gave up does not
+        keep a thread.
+        """
         deadline = self.clock() + timeout_s
         with self.lock:
             frag = self.fragments[p]
             while frag.published < min_version:
                 left = deadline - self.clock()
-                if left <= 0:
+                if left <= 0 or not alive():
                     return -1, []
                 self.lock.wait(min(left, 0.05))
                 self._maybe_close(p)
@@ -422,6 +489,7 @@ class SyncerState:
                         "merges": f.merges,
                         "pending": sorted(f.pending),
                         "late_pushes": f.late,
+                        "refused_merges": f.refused_merges,
                         "duplicate_pushes": f.duplicates,
                         "bytes": sum(s.nbytes for s in f.specs),
                     }

@@ -117,6 +117,7 @@ def _describe(state: SyncerState, kind: str, *args: Any) -> tuple[dict[str, Any]
             "seq": state.seq,
             "learner": learner,
             "mesh": state.learners[learner].mesh,
+            "incarnation": state.learners[learner].incarnation,
         }, []
     if kind == "push":
         learner, p, rnd = key = args[0]
@@ -159,6 +160,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
         learner = header["learner"]
         info = state.learners.setdefault(learner, LearnerInfo())
         info.mesh, info.state, info.last_seen = header["mesh"], "training", now
+        info.incarnation = header.get("incarnation", info.incarnation + 1)
         state.seen = {k: v for k, v in state.seen.items() if k[0] != learner}
     elif kind == "push":
         learner, p, rnd = header["key"]

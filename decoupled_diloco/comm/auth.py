@@ -1,0 +1,38 @@
+"""Who is calling: the run token (the operator) or one learner's credential.
+
+Every RPC carries a secret in the `x-dd-run-token` metadata. The run token itself identifies
+the operator (the launcher, its evaluator, `status`), who may do anything. A learner is given
+only its own credential, `learner-ID-HMAC` with HMAC-SHA256(run token, "learner:ID"): the
+syncer derives it again from the run token, so it stores nothing per learner, and a learner
+that holds its credential cannot forge another's (nor recover the run token). The syncer lets
+a learner's credential push, pull and heartbeat only as that learner.
+
+Checked from the metadata alone, before any request body is parsed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+
+OPERATOR = -1  # the identity of the run token
+_CREDENTIAL = re.compile(r"learner-(\d{1,9})-([0-9a-f]{64})")
+
+
+def learner_credential(run_token: str, learner_id: int) -> str:
+    """The secret learner `learner_id` presents instead of the run token."""
+    mac = hmac.new(run_token.encode(), f"learner:{learner_id}".encode(), hashlib.sha256)
+    return f"learner-{learner_id}-{mac.hexdigest()}"
+
+
+def identify(presented: str, run_token: str) -> int | None:
+    """`OPERATOR` for the run token, the learner id for a valid credential, else None."""
+    if hmac.compare_digest(presented.encode(), run_token.encode()):
+        return OPERATOR
+    match = _CREDENTIAL.fullmatch(presented)
+    if match is None:
+        return None
+    learner_id = int(match.group(1))
+    want = learner_credential(run_token, learner_id)
+    return learner_id if hmac.compare_digest(presented.encode(), want.encode()) else None

@@ -1,0 +1,134 @@
+"""What the syncer admits from the network: bounds on every field a peer sends, as pure checks.
+
+Each check returns None when the input is acceptable, else a message naming the field and the
+bound, which the server sends back with INVALID_ARGUMENT. Nothing here touches the state: a
+refused message leaves it unchanged.
+
+The bounds (docs/deploy.md, "What the syncer trusts"):
+- counters: 1 ≤ steps ≤ `train_steps` and 1 ≤ tokens ≤ steps · tokens per step (the task's
+  batch), so a push cannot claim more work than its steps could have done, a token weight
+  tokens²/steps is never 0 and never overflows;
+- outer-gradient norm: ‖Δ‖ ≤ `max_delta_norm` · max(‖Θ_p‖, `NORM_FLOOR`·√n) for fragment p of
+  n values, computed in float64 so that no finite payload can overflow it;
+- a merge's result: finite, and its step ‖Θ' − Θ‖ within `merged_step_bound`;
+- waits: finite, ≥ 0 (the server also caps them);
+- heartbeats: finite numbers, counters ≥ 0, one version per fragment, a state from `STATES`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+# Learner states a heartbeat may report (`learner.link`).
+STATES = frozenset({"training", "done"})
+
+# An all-zero fragment (e.g. only biases at init) still admits outer gradients of RMS ≤ this
+# times `max_delta_norm` per value.
+NORM_FLOOR = 1e-3
+
+
+def check_counters(steps: int, tokens: int, train_steps: int, tokens_per_step: int) -> str | None:
+    """Bounds a push's inner steps and tokens by what a learner's run could have produced."""
+    if not 1 <= steps <= train_steps:
+        return f"steps={steps}: must be in [1, train_steps={train_steps}]"
+    if not 1 <= tokens <= steps * tokens_per_step:
+        return (
+            f"tokens={tokens}: must be in [1, steps * tokens_per_step = {steps} * "
+            f"{tokens_per_step}] (a learner cannot claim more tokens than its steps produce)"
+        )
+    return None
+
+
+def norm(arrays: Sequence[np.ndarray]) -> float:
+    """The L2 norm of a list of arrays together, in float64 (never overflows for float32 input)."""
+    total = 0.0
+    for a in arrays:
+        flat = np.asarray(a, dtype=np.float64).ravel()
+        total += float(np.dot(flat, flat))
+    return math.sqrt(total)
+
+
+def norm_bound(values: Sequence[np.ndarray], ratio: float) -> float:
+    """The largest outer-gradient norm admitted for a fragment whose global values are `values`."""
+    n = sum(int(np.size(v)) for v in values)
+    return ratio * max(norm(values), NORM_FLOOR * math.sqrt(max(n, 1)))
+
+
+def check_delta(
+    delta: Sequence[np.ndarray], values: Sequence[np.ndarray], ratio: float
+) -> str | None:
+    """Refuses an outer gradient whose norm exceeds `norm_bound(values, ratio)`."""
+    got, bound = norm(delta), norm_bound(values, ratio)
+    if not got <= bound:
+        return (
+            f"outer-gradient norm {got:.4g} exceeds the bound {bound:.4g} "
+            f"(decoupled.syncer.max_delta_norm={ratio} times the fragment's norm)"
+        )
+    return None
+
+
+def merged_step_bound(
+    values: Sequence[np.ndarray], ratio: float, lr: float, momentum: float
+) -> float:
+    """The largest outer step ‖Θ' − Θ‖ a merge of admitted outer gradients can take.
+
+    Merged outer gradients are within `norm_bound` (RDA keeps the weighted mean of norms, the
+    mean is at most the largest); an SGD/Nesterov step with momentum β moves at most
+    lr/(1 − β) times that. Twice that leaves room for momentum built while Θ was larger.
+    """
+    return 2.0 * lr / max(1.0 - momentum, 1e-6) * norm_bound(values, ratio)
+
+
+def check_merged(old: Sequence[np.ndarray], new: Sequence[np.ndarray], bound: float) -> str | None:
+    """Refuses a merge result that is not finite or steps further than `bound`."""
+    for i, v in enumerate(new):
+        if not np.isfinite(v).all():
+            return f"tensor {i} of the merged values is not finite"
+    step = norm(
+        [
+            np.asarray(b, np.float64) - np.asarray(a, np.float64)
+            for a, b in zip(old, new, strict=True)
+        ]
+    )
+    if not step <= bound:
+        return f"the merged outer step {step:.4g} exceeds its bound {bound:.4g}"
+    return None
+
+
+def check_wait(wait_s: float) -> str | None:
+    """A pull's wait must be a finite number of seconds ≥ 0."""
+    if not (math.isfinite(wait_s) and wait_s >= 0):
+        return f"wait_s={wait_s}: must be finite and >= 0"
+    return None
+
+
+def check_heartbeat(
+    step: int,
+    tokens: int,
+    numbers: dict[str, float],
+    counters: dict[str, int],
+    versions: Sequence[int],
+    state: str,
+    num_fragments: int,
+) -> str | None:
+    """Bounds a heartbeat's fields (each one ends up in every Status reply)."""
+    if step < 0 or tokens < 0:
+        return f"step={step}, tokens={tokens}: must be >= 0"
+    for name, value in numbers.items():
+        if name in ("loss", "eval_loss") and math.isnan(value):  # NaN: not known yet
+            continue
+        if not math.isfinite(value) or (name not in ("loss", "eval_loss") and value < 0):
+            return f"{name}={value}: must be finite (losses may be NaN), times >= 0"
+    for name, value in counters.items():
+        if value < 0:
+            return f"{name}={value}: must be >= 0"
+    if len(versions) not in (0, num_fragments):
+        return f"versions: {len(versions)} entries for {num_fragments} fragments"
+    if any(v < 0 for v in versions):
+        return "versions: must be >= 0"
+    if state and state not in STATES:
+        return f"state={state[:40]!r}: must be one of {sorted(STATES)}"
+    return None

@@ -1,0 +1,184 @@
+"""The syncer's capacity for data calls: slots, streams per caller, bytes in flight, idle cuts.
+
+gRPC serves every call from one thread pool. A push or a pull holds its thread for as long as
+its stream is open (a pull waits for a merge), so without limits a few peers that open streams
+and send nothing, or pulls waiting for a version that never comes, take every thread, and the
+control calls (Register, Heartbeat, Status) time out behind them. `Guard` keeps:
+
+- **data slots**: at most `slots` data calls at once (the pool has more threads than that, so
+  control calls always find one); beyond that a data call is refused at once with
+  RESOURCE_EXHAUSTED;
+- **streams per caller**: at most `per_caller` data calls per identity (`comm.auth`);
+- **bytes in flight**: pushes reserve the payload size their header declares before a byte of
+  it is buffered; past `max_bytes` in total a push is refused (RESOURCE_EXHAUSTED);
+- **idle cuts**: a stream that moves nothing for `idle_s` seconds (a push that sends no chunk,
+  a pull whose reader takes none) is cancelled; a pull's own bounded wait for a merge is not
+  idleness.
+
+Refusals name the limit and the config field that sets it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from absl import logging
+
+from decoupled_diloco.comm.auth import OPERATOR
+from decoupled_diloco.comm.retry import RETRY_TRAILER
+
+
+class Activity:
+    """One data call's entry in the guard: when it last moved, and what it reserved."""
+
+    def __init__(self, guard: Guard, context: grpc.ServicerContext, kind: str = ""):
+        self.guard, self.context, self.kind = guard, context, kind
+        self.started = guard.clock()
+        self.last = guard.clock()
+        self.reserved = 0
+        self.idle_cut = False
+
+    def touch(self) -> None:
+        """The stream moved (a chunk arrived or left)."""
+        self.last = self.guard.clock()
+
+    def hold(self) -> None:
+        """Exempts the call from the idle cut until the next `touch` (a bounded server wait)."""
+        self.last = None
+
+    def reserve(self, nbytes: int) -> None:
+        """Reserves `nbytes` of push buffer; aborts RESOURCE_EXHAUSTED beyond the bound."""
+        g = self.guard
+        with g.lock:
+            if g.bytes_in_flight + nbytes > g.max_bytes:
+                g.refused += 1
+                busy = g.bytes_in_flight
+            else:
+                g.bytes_in_flight += nbytes
+                self.reserved += nbytes
+                return
+        logging.log_every_n_seconds(
+            logging.WARNING, "[syncer] push of %d bytes waits: %d in flight", 5.0, nbytes, busy
+        )
+        self.context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
+        self.context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"push of {nbytes} bytes refused: {busy} bytes of pushes already in flight, bound "
+            f"{g.max_bytes} (decoupled.syncer.max_inflight_bytes); retry later",
+        )
+
+
+class Guard:
+    """Admission of data calls (see the module doc).
+
+    Args:
+      slots: data calls served at once.
+      per_caller: data calls at once per learner identity; the operator (who may act as any
+        learner, `comm.auth`) gets `operator_calls`.
+      operator_calls: data calls at once with the run token.
+      max_bytes: push payload bytes buffered at once, all pushes together.
+      idle_s: a push stream idle this long is cancelled.
+      clock: time source.
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        per_caller: int,
+        max_bytes: int,
+        idle_s: float,
+        operator_calls: int = 0,
+        clock: Any = time.monotonic,
+    ):
+        self.operator_calls = operator_calls or per_caller
+        self.slots, self.per_caller, self.max_bytes, self.idle_s = (
+            slots,
+            per_caller,
+            max_bytes,
+            idle_s,
+        )
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.active: set[Activity] = set()
+        self.by_caller: dict[int, int] = {}
+        self.bytes_in_flight = self.peak_bytes = 0
+        self.refused = self.idle_cuts = 0
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="guard", daemon=True)
+        self._watcher.start()
+
+    @contextlib.contextmanager
+    def call(self, caller: int, context: grpc.ServicerContext, kind: str) -> Iterator[Activity]:
+        """Admits one data call of `caller` for the duration of the block, or aborts."""
+        activity = Activity(self, context, kind)
+        with self.lock:
+            if len(self.active) >= self.slots:
+                message = (
+                    f"{kind} refused: {self.slots} data calls already in progress "
+                    "(the syncer's data slots are full); retry later"
+                )
+            elif self.by_caller.get(caller, 0) >= (
+                self.operator_calls if caller == OPERATOR else self.per_caller
+            ):
+                message = (
+                    f"{kind} refused: caller {caller} (-1: the run token) already has "
+                    f"{self.by_caller[caller]} data calls open "
+                    "(decoupled.syncer.max_streams_per_learner)"
+                )
+            else:
+                message = ""
+                self.active.add(activity)
+                self.by_caller[caller] = self.by_caller.get(caller, 0) + 1
+            if message:
+                self.refused += 1
+        if message:
+            logging.log_every_n_seconds(logging.WARNING, "[syncer] %s", 5.0, message)
+            context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        try:
+            yield activity
+        finally:
+            with self.lock:
+                self.active.discard(activity)
+                self.by_caller[caller] -= 1
+                if not self.by_caller[caller]:
+                    del self.by_caller[caller]
+                self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
+                self.bytes_in_flight -= activity.reserved
+
+    def note_peak(self) -> None:
+        """Records the bytes in flight now as a candidate peak (after a buffer is filled)."""
+        with self.lock:
+            self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
+
+    def _watch(self) -> None:
+        period = max(min(self.idle_s / 4, 1.0), 0.01)
+        while not self._stop.wait(period):
+            now = self.clock()
+            with self.lock:
+                idle = [a for a in self.active if a.last is not None and now - a.last > self.idle_s]
+            for activity in idle:
+                activity.idle_cut = True
+                activity.hold()  # cut once
+                self.idle_cuts += 1
+                activity.context.cancel()
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the syncer's status."""
+        with self.lock:
+            return {
+                "data_calls": len(self.active),
+                "bytes_in_flight": self.bytes_in_flight,
+                "peak_bytes_in_flight": self.peak_bytes,
+                "refused": self.refused,
+                "idle_cuts": self.idle_cuts,
+            }
+
+    def close(self) -> None:
+        """Stops the idle watcher."""
+        self._stop.set()

@@ -1,0 +1,416 @@
+"""The syncer's RPC handlers: identity, admission and validation in front of `SyncerState`.
+
+Every call must carry the run token or a learner's credential (metadata `x-dd-run-token`,
+`comm.auth`), checked before the body is parsed, else UNAUTHENTICATED; a credential acts only
+as its learner (PERMISSION_DENIED). Register checks the model fingerprint; pushes are validated
+(identity and incarnation, fragment id, tensor names, shapes, dtypes, byte counts and chunk
+order against the header, checksum, size limit, counters, finite values, outer-gradient norm:
+`syncer.admission`) before anything touches the state, and a bad one is refused with
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED and a message. Data calls are admitted by
+`syncer.guard` (slots, streams per learner, bytes in flight, idle cuts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+from absl import logging
+
+from decoupled_diloco.comm import auth, wire
+from decoupled_diloco.comm import syncer_pb2 as pb
+from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
+from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.core import compression
+from decoupled_diloco.core.compression import Codec
+from decoupled_diloco.syncer import admission
+from decoupled_diloco.syncer.downlink import Downlink
+from decoupled_diloco.syncer.guard import Guard
+from decoupled_diloco.syncer.records import Push
+from decoupled_diloco.syncer.state import PushRefused, SyncerState
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+CONTROL_THREADS = 16  # threads the data calls can never take (Register, Heartbeat, Status)
+
+
+def streams_per_learner(config: ExperimentConfig) -> int:
+    """`max_streams_per_learner`, or what a learner's link may open: a push and its pull per
+    undelivered push of every fragment (`max_unsent` + 1 each), + 2."""
+    s = config.decoupled.syncer
+    return s.max_streams_per_learner or config.decoupled.fragments * (s.max_unsent + 1) + 2
+
+
+def data_slots(config: ExperimentConfig) -> int:
+    """Data calls served at once: every learner's streams, + 8 (evaluator, status tools)."""
+    return config.num_learners * streams_per_learner(config) + 8
+
+
+class SyncerService(pb_grpc.SyncerServicer):
+    """The RPC handlers: identity, admission and validation in front of `SyncerState`.
+
+    Every call is checked in this order: the caller's secret from the metadata (`comm.auth`:
+    the run token or one learner's credential), before any byte of the body is parsed; then
+    the capacity of data calls (`syncer.guard`); then every field (`syncer.admission`,
+    `comm.wire`). Only then does the state see the request.
+    """
+
+    def __init__(self, state: SyncerState, token: str, fingerprint: str):
+        self.state, self.token, self.fingerprint = state, token, fingerprint
+        self.committer: Any = None  # set by `SyncerServer` when the state is durable
+        config = state.config
+        self.syncer_config = s = config.decoupled.syncer
+        # Encoded pull chunks per (fragment, version): encoded once, shared by every learner.
+        self._encoded: dict[tuple[int, int], list[bytes]] = {}
+        self._encode_lock = threading.Lock()
+        z = config.compression
+        # Compressed downlink: per-learner differences from the copy each one holds.
+        lossy = z.downlink and z.scheme != "none"
+        self.downlink = Downlink(compression.codec_for(z)) if lossy else None
+        largest = max(sum(x.nbytes for x in f.specs) for f in state.fragments)
+        per_learner = streams_per_learner(config)
+        self.guard = Guard(
+            slots=data_slots(config),
+            per_caller=per_learner,
+            operator_calls=per_learner * (config.num_learners + 1),
+            max_bytes=s.max_inflight_bytes or 2 * config.num_learners * largest,
+            idle_s=s.stream_idle_s,
+        )
+        self.malformed = 0  # requests refused before they reached the state
+
+    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.malformed += 1
+        logging.log_every_n_seconds(logging.WARNING, "[syncer] refused: %s", 5.0, message)
+        context.abort(code, message)
+
+    def _authorize(self, context: grpc.ServicerContext) -> int:
+        """The caller's identity (`auth.OPERATOR` or a learner id), or UNAUTHENTICATED."""
+        got = dict(context.invocation_metadata()).get(wire.TOKEN_HEADER, "")
+        identity = auth.identify(got if isinstance(got, str) else "", self.token)
+        if identity is None:
+            self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+        return identity
+
+    def _parse(self, message_type: Any, raw: bytes | None, context: grpc.ServicerContext) -> Any:
+        try:
+            return message_type.FromString(raw if raw is not None else b"")
+        except Exception:  # noqa: BLE001 - any decode failure is the peer's, not ours
+            self._refuse(context, _INVALID, f"malformed {message_type.__name__}")
+
+    def _as(self, identity: int, learner_id: int, context: grpc.ServicerContext) -> None:
+        """A learner's credential acts only as that learner (the operator as anyone)."""
+        if identity not in (auth.OPERATOR, learner_id):
+            self._refuse(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"learner {identity}'s credential cannot act as learner {learner_id}",
+            )
+
+    def _fragment(self, p: int, context: grpc.ServicerContext) -> None:
+        if not 0 <= p < len(self.state.fragments):
+            self._refuse(
+                context,
+                _INVALID,
+                f"fragment {p} does not exist (the model has {len(self.state.fragments)})",
+            )
+        if p not in self.state.owned:
+            shards = self.state.config.decoupled.syncer.shards
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"fragment {p} belongs to syncer shard {p % shards} of {shards}, not this one",
+            )
+
+    def _durable(self, context: grpc.ServicerContext) -> None:
+        """Waits until every change so far is committed (see `syncer.durability`)."""
+        if not self.state.wait_committed(self.state.seq, self.syncer_config.rpc_timeout_s):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer could not commit its state")
+
+    def _known(self, learner_id: int, context: grpc.ServicerContext) -> None:
+        if learner_id not in self.state.learners:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"learner {learner_id}: register first"
+            )
+
+    def Register(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
+        identity = self._authorize(context)
+        request = self._parse(pb.RegisterRequest, raw, context)
+        self._as(identity, request.learner_id, context)
+        if not 0 <= request.learner_id < self.state.config.num_learners:
+            self._refuse(
+                context,
+                _INVALID,
+                f"learner id {request.learner_id} is not in [0, {self.state.config.num_learners})",
+            )
+        if request.fingerprint != self.fingerprint:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"learner {request.learner_id}: model fingerprint {request.fingerprint[:80]} does "
+                f"not match the syncer's {self.fingerprint} (different tree structure, shapes or "
+                "dtypes: check config.model on both sides)",
+            )
+        versions, incarnation = self.state.register(request.learner_id, request.mesh[:64])
+        self._durable(context)
+        return pb.RegisterReply(
+            num_fragments=len(versions), versions=versions, incarnation=incarnation
+        )
+
+    def Heartbeat(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
+        identity = self._authorize(context)
+        r = self._parse(pb.HeartbeatRequest, raw, context)
+        self._as(identity, r.learner_id, context)
+        self._known(r.learner_id, context)
+        numbers = {
+            "loss": r.loss,
+            "eval_loss": r.eval_loss,
+            "blocked_s": r.blocked_s,
+            "step_time_s": r.step_time_s,
+        }
+        counters = {
+            "bytes_sent": r.bytes_sent,
+            "bytes_received": r.bytes_received,
+            "sync_rounds": r.sync_rounds,
+        }
+        error = admission.check_heartbeat(
+            r.step, r.tokens, numbers, counters, r.versions, r.state, len(self.state.fragments)
+        )
+        if error:
+            self._refuse(context, _INVALID, f"heartbeat of learner {r.learner_id}: {error}")
+        versions = self.state.heartbeat(
+            r.learner_id,
+            step=r.step,
+            tokens=r.tokens,
+            state=r.state or "training",
+            versions=list(r.versions),
+            **numbers,
+            **counters,
+        )
+        return pb.HeartbeatReply(
+            versions=versions, fastest_step_time_s=self.state.fastest_step_time()
+        )
+
+    def Status(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
+        self._authorize(context)
+        self._parse(pb.StatusRequest, raw, context)
+        status = self.state.status()
+        status["guard"] = {**self.guard.stats(), "malformed": self.malformed}
+        if self.committer is not None:  # durable syncer: log syncs and snapshots
+            status["durability"] = self.committer.stats()
+        return pb.StatusReply(json=json.dumps(status))
+
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
+        identity = self._authorize(context)
+        with self.guard.call(identity, context, "push") as activity:
+            try:
+                return self._push(identity, request_iterator, context, activity)
+            except grpc.RpcError:
+                if activity.idle_cut:  # cancelled: the client gets CANCELLED, nothing else
+                    return pb.PushReply()
+                raise
+
+    def _push(
+        self,
+        identity: int,
+        request_iterator: Iterator[bytes],
+        context: grpc.ServicerContext,
+        activity: Any,
+    ) -> pb.PushReply:
+        first = self._parse(pb.PushChunk, next(request_iterator, None), context)
+        activity.touch()
+        if not first.HasField("header") or first.seq != 0:
+            self._refuse(context, _INVALID, "a push must start with a header (chunk seq 0)")
+        h = first.header
+        self._as(identity, h.learner_id, context)
+        self._fragment(h.fragment, context)
+        self._known(h.learner_id, context)
+        frag = self.state.fragments[h.fragment]
+        limit = self.syncer_config.max_push_bytes
+        try:
+            expected = wire.check_headers(h.tensors, frag.specs)
+        except wire.PayloadError as error:
+            self._refuse(context, _INVALID, f"fragment {h.fragment}: {error}")
+        if max(h.total_bytes, expected) > limit:
+            self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"push of {max(h.total_bytes, expected)} bytes > limit {limit} "
+                "(decoupled.syncer.max_push_bytes)",
+            )
+        if h.total_bytes != expected:
+            self._refuse(
+                context, _INVALID, f"header says {h.total_bytes} bytes, tensors need {expected}"
+            )
+        c = self.state.config
+        error = admission.check_counters(h.steps, h.tokens, c.train_steps, c.tokens_per_step)
+        if error:
+            self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
+        if h.base_version > frag.published:
+            self._refuse(context, _INVALID, f"base version {h.base_version} is from the future")
+        if h.base_version < 0:
+            self._refuse(context, _INVALID, f"base version {h.base_version} is negative")
+        activity.reserve(expected)  # the buffer is sized from what the headers declared
+        payload = memoryview(bytearray(expected))
+        at, crc = 0, 0
+        for seq, raw in enumerate(itertools.chain([first], request_iterator)):
+            activity.touch()
+            data = first.data if seq == 0 else self._data_chunk(raw, seq, context)
+            if at + len(data) > expected:
+                self._refuse(context, _INVALID, f"payload passed its declared {expected} bytes")
+            payload[at : at + len(data)] = data
+            at += len(data)
+            crc = zlib.crc32(data, crc)
+        self.guard.note_peak()
+        if at != expected:
+            self._refuse(context, _INVALID, f"payload ended at {at} of its {expected} bytes")
+        if crc != h.payload_crc32:
+            self._refuse(context, _INVALID, "payload checksum (payload_crc32) does not match")
+        try:  # decodes (and checks) every tensor before the state sees any of them
+            delta = wire.decode_payload(payload, h.tensors, frag.specs)
+        except wire.PayloadError as error:
+            self._refuse(context, _INVALID, f"fragment {h.fragment}: {error}")
+        error = admission.check_delta(delta, frag.values, self.syncer_config.max_delta_norm)
+        if error:
+            self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
+        push = Push(
+            h.learner_id,
+            h.fragment,
+            h.round,
+            h.base_version,
+            h.steps,
+            h.tokens,
+            delta,
+            incarnation=h.incarnation,
+        )
+        try:
+            result = self.state.push(push)
+        except PushRefused as error:
+            self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
+        self._durable(context)  # acknowledged only once a restart cannot lose it
+        return pb.PushReply(
+            accepted=result.accepted,
+            duplicate=result.duplicate,
+            reason=result.reason,
+            version=result.version,
+        )
+
+    def _data_chunk(self, raw: bytes, seq: int, context: grpc.ServicerContext) -> memoryview:
+        """The data of push chunk number `seq`, checked to be that chunk and nothing else."""
+        parsed = wire.parse_push_data_chunk(raw)
+        if parsed is None:
+            chunk = self._parse(pb.PushChunk, raw, context)
+            if chunk.HasField("header"):
+                self._refuse(context, _INVALID, f"chunk {seq} carries a second header")
+            parsed = chunk.seq, memoryview(chunk.data)
+        if parsed[0] != seq:
+            self._refuse(
+                context, _INVALID, f"chunk {seq} arrived as seq {parsed[0]} (reordered or lost)"
+            )
+        return parsed[1]
+
+    def _payload(self, p: int, version: int, values: list[np.ndarray]) -> list[bytes]:
+        """The chunks of one fragment version, cut once and shared by every learner's pull."""
+        with self._encode_lock:
+            key = (p, version)
+            if key not in self._encoded:
+                self._encoded = {k: v for k, v in self._encoded.items() if k[0] != p}
+                chunk_bytes = self.syncer_config.chunk_bytes
+                self._encoded[key] = list(wire.chunk_arrays(values, chunk_bytes))
+                tail = self._encoded[key][1:]
+                self._encoded[key][1:] = [wire.data_chunk(wire.PULL_DATA_TAG, c) for c in tail]
+            return self._encoded[key]
+
+    def Pull(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
+        identity = self._authorize(context)
+        request = self._parse(pb.PullRequest, raw, context)
+        if request.learner_id >= 0 or identity != auth.OPERATOR:  # the operator pulls as -1
+            self._as(identity, request.learner_id, context)
+            self._known(request.learner_id, context)
+        self._fragment(request.fragment, context)
+        error = admission.check_wait(request.wait_s)
+        if error:
+            self._refuse(context, _INVALID, error)
+        wait_s = min(request.wait_s, self.syncer_config.rpc_timeout_s)
+        with self.guard.call(identity, context, "pull") as activity:
+            activity.hold()  # its wait for a merge is bounded, not idle
+            version, values = self.state.wait_for(
+                request.fragment, request.min_version, wait_s, context.is_active
+            )
+            activity.touch()
+            if version < 0:
+                yield pb.FragmentChunk(fragment=request.fragment, version=-1)
+                return
+            specs = self.state.fragments[request.fragment].specs
+            if self.downlink is not None and request.learner_id >= 0:
+                chunks = self._compressed_pull(request, version, values, specs)
+            else:
+                chunks = self._full_pull(request.fragment, version, values, specs)
+            for chunk in chunks:
+                yield chunk
+                activity.touch()
+            self.state.record_sync_time(request.fragment, version, request.learner_id)
+
+    def _full_pull(self, p: int, version: int, values: list, specs: list) -> Iterator[Any]:
+        pieces = self._payload(p, version, values)
+        yield pb.FragmentChunk(
+            fragment=p,
+            version=version,
+            tensors=wire.headers(specs),
+            total_bytes=sum(s.nbytes for s in specs),
+            data=pieces[0],
+        )
+        yield from pieces[1:]  # already encoded data-only chunks
+
+    def _compressed_pull(
+        self, request: pb.PullRequest, version: int, values: list, specs: list
+    ) -> Iterator[Any]:
+        """A learner's pull with `compression.downlink`: the difference from its own copy."""
+        base, payload = self.downlink.reply(
+            request.learner_id,
+            request.fragment,
+            version,
+            values,
+            specs,
+            request.have_version if request.has_copy else None,
+        )
+        codec = self.downlink.codec if base is not None else Codec("none")
+        arrays = wire.encoded_arrays(payload, specs, codec) if base is not None else payload
+        tensors = wire.headers(specs, codec)
+        pieces = list(wire.chunk_arrays(arrays, self.syncer_config.chunk_bytes))
+        yield pb.FragmentChunk(
+            fragment=request.fragment,
+            version=version,
+            tensors=tensors,
+            total_bytes=sum(h.payload_bytes for h in tensors),
+            data=pieces[0],
+            delta=base is not None,
+            base_version=base or 0,
+        )
+        yield from (wire.data_chunk(wire.PULL_DATA_TAG, c) for c in pieces[1:])
+
+
+def _serialize(message: Any) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_service(service: SyncerService, server: grpc.Server) -> None:
+    """Registers the handlers; the data calls take and give raw bytes (see `wire.data_chunk`).
+
+    Mirrors the generated `add_SyncerServicer_to_server`, except that requests arrive unparsed
+    (the handler checks the caller's secret before it parses a byte of them) and Pull responses
+    may be pre-encoded bytes, which saves two copies per chunk.
+    """
+    handlers = {
+        "Register": grpc.unary_unary_rpc_method_handler(service.Register, None, _serialize),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(service.Heartbeat, None, _serialize),
+        "Status": grpc.unary_unary_rpc_method_handler(service.Status, None, _serialize),
+        "Push": grpc.stream_unary_rpc_method_handler(service.Push, None, _serialize),
+        "Pull": grpc.unary_stream_rpc_method_handler(service.Pull, None, _serialize),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("decoupled_diloco.Syncer", handlers),)
+    )
+    server.add_registered_method_handlers("decoupled_diloco.Syncer", handlers)
