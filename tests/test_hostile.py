@@ -40,8 +40,12 @@ def hp(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("proto")
     text = (ROOT / "decoupled_diloco/comm/syncer.proto").read_text()
-    (out / "hostile.proto").write_text(text.replace("package decoupled_diloco;", "package hostile;"))
-    assert protoc.main(["protoc", f"-I{out}", f"--python_out={out}", str(out / "hostile.proto")]) == 0
+    (out / "hostile.proto").write_text(
+        text.replace("package decoupled_diloco;", "package hostile;")
+    )
+    assert (
+        protoc.main(["protoc", f"-I{out}", f"--python_out={out}", str(out / "hostile.proto")]) == 0
+    )
     spec = importlib.util.spec_from_file_location("hostile_pb2", out / "hostile_pb2.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["hostile_pb2"] = module
@@ -102,7 +106,9 @@ class Peer:
 
     def push_raw(self, chunks, timeout=10.0):
         call = self.channel.stream_unary(
-            SERVICE + "Push", request_serializer=None, response_deserializer=self.hp.PushReply.FromString
+            SERVICE + "Push",
+            request_serializer=None,
+            response_deserializer=self.hp.PushReply.FromString,
         )
         return call(iter(chunks), timeout=timeout, metadata=self.md)
 
@@ -135,8 +141,22 @@ def tensor_headers(hp, specs, scheme="none"):
     return out
 
 
-def push_chunks(hp, specs, arrays, *, learner=0, fragment=0, rnd=0, steps=4, tokens=1024,
-                incarnation=0, chunk=4096, crc=None, base=0, reorder=False):
+def push_chunks(
+    hp,
+    specs,
+    arrays,
+    *,
+    learner=0,
+    fragment=0,
+    rnd=0,
+    steps=4,
+    tokens=1024,
+    incarnation=0,
+    chunk=4096,
+    crc=None,
+    base=0,
+    reorder=False,
+):
     payload = b"".join(np.ascontiguousarray(a, "<f4").tobytes() for a in arrays)
     header = hp.PushHeader(
         learner_id=learner,
@@ -236,14 +256,26 @@ def test_huge_finite_outer_gradients_are_refused_by_norm(hp, server, peer):
         parts += [np.full(blocks, 3e38, "<f4").tobytes(), np.full(n, 127, np.int8).tobytes()]
         headers.append(
             hp.TensorHeader(
-                name=s.name, shape=list(s.shape), dtype=s.dtype, scheme="int8", block_size=256,
-                format_version=1, payload_bytes=4 * blocks + n,
+                name=s.name,
+                shape=list(s.shape),
+                dtype=s.dtype,
+                scheme="int8",
+                block_size=256,
+                format_version=1,
+                payload_bytes=4 * blocks + n,
             )
         )
     payload = b"".join(parts)
     header = hp.PushHeader(
-        learner_id=0, fragment=0, round=101, steps=4, tokens=1024, tensors=headers,
-        total_bytes=len(payload), payload_crc32=zlib.crc32(payload), incarnation=peer.inc[0],
+        learner_id=0,
+        fragment=0,
+        round=101,
+        steps=4,
+        tokens=1024,
+        tensors=headers,
+        total_bytes=len(payload),
+        payload_crc32=zlib.crc32(payload),
+        incarnation=peer.inc[0],
     )
     chunk = hp.PushChunk(header=header, data=payload).SerializeToString()
     details = refused(lambda: peer.push_raw([chunk]), grpc.StatusCode.INVALID_ARGUMENT)
@@ -260,8 +292,13 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
     honest = peer.push_raw(peer.chunks(specs, small(specs), learner=0, fragment=1, rnd=0))
     greedy = peer.push_raw(
         peer.chunks(
-            specs, small(specs, -1e-3), learner=1, fragment=1, rnd=0,
-            steps=train_steps, tokens=train_steps * tps,
+            specs,
+            small(specs, -1e-3),
+            learner=1,
+            fragment=1,
+            rnd=0,
+            steps=train_steps,
+            tokens=train_steps * tps,
         )
     )
     assert honest.accepted and greedy.accepted
@@ -272,11 +309,31 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
     assert max(log["shares"]) <= cap + 1e-9 and sum(log["shares"]) == pytest.approx(1.0)
     # Superseding pushes cannot add their counters past the run's length.
     before = snapshot(state)
-    peer.push_raw(peer.chunks(specs, small(specs), learner=1, fragment=1, rnd=1,
-                              steps=train_steps, tokens=tps, base=state.fragments[1].version))
+    peer.push_raw(
+        peer.chunks(
+            specs,
+            small(specs),
+            learner=1,
+            fragment=1,
+            rnd=1,
+            steps=train_steps,
+            tokens=tps,
+            base=state.fragments[1].version,
+        )
+    )
     details = refused(
-        lambda: peer.push_raw(peer.chunks(specs, small(specs), learner=1, fragment=1, rnd=2,
-                                          steps=1, tokens=tps, base=state.fragments[1].version)),
+        lambda: peer.push_raw(
+            peer.chunks(
+                specs,
+                small(specs),
+                learner=1,
+                fragment=1,
+                rnd=2,
+                steps=1,
+                tokens=tps,
+                base=state.fragments[1].version,
+            )
+        ),
         grpc.StatusCode.INVALID_ARGUMENT,
     )
     assert "train_steps" in details
@@ -342,7 +399,9 @@ def test_payload_past_its_declared_size_is_refused(hp, server, peer):
     specs = server.state.fragments[0].specs
     before = snapshot(server.state)
     chunks = peer.chunks(specs, small(specs), rnd=200)
-    extra = [hp.PushChunk(seq=len(chunks) + i, data=b"\0" * 4096).SerializeToString() for i in range(50)]
+    extra = [
+        hp.PushChunk(seq=len(chunks) + i, data=b"\0" * 4096).SerializeToString() for i in range(50)
+    ]
     details = refused(lambda: peer.push_raw(chunks + extra), grpc.StatusCode.INVALID_ARGUMENT)
     assert "declared" in details
     assert_unchanged(server, before, peer)
@@ -352,9 +411,13 @@ def test_the_token_is_checked_before_the_body_is_parsed(hp, server, peer):
     before = snapshot(server.state)
     garbage = b"\xff" * (4 << 20)  # not a protobuf at all
     for method, reply in (("Heartbeat", hp.HeartbeatReply), ("Register", hp.RegisterReply)):
-        refused(lambda m=method, r=reply: peer.unary(m, garbage, r, secret="wrong"),
-                grpc.StatusCode.UNAUTHENTICATED)
-        refused(lambda m=method, r=reply: peer.unary(m, garbage, r), grpc.StatusCode.INVALID_ARGUMENT)
+        refused(
+            lambda m=method, r=reply: peer.unary(m, garbage, r, secret="wrong"),
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+        refused(
+            lambda m=method, r=reply: peer.unary(m, garbage, r), grpc.StatusCode.INVALID_ARGUMENT
+        )
     assert_unchanged(server, before, peer)
 
 
@@ -367,7 +430,9 @@ def test_heartbeat_fields_are_bounded(hp, server, peer):
         {"state": "x" * 1000},
         {"step": -5},
     ):
-        refused(lambda f=fields: peer.heartbeat(learner_id=0, **f), grpc.StatusCode.INVALID_ARGUMENT)
+        refused(
+            lambda f=fields: peer.heartbeat(learner_id=0, **f), grpc.StatusCode.INVALID_ARGUMENT
+        )
     assert_unchanged(server, before, peer)
 
 
@@ -411,7 +476,6 @@ def test_a_replay_after_re_registration_is_refused(hp, server, peer):
 def test_reordered_chunks_and_bad_checksums_are_refused(hp, server, peer):
     specs = server.state.fragments[0].specs
     before = snapshot(server.state)
-    inc = server.state.learners[0].incarnation
     chunks = peer.chunks(specs, small(specs), rnd=500, chunk=1024, reorder=True)
     assert "seq" in refused(lambda: peer.push_raw(chunks), grpc.StatusCode.INVALID_ARGUMENT)
     chunks = peer.chunks(specs, small(specs), rnd=501, crc=1234)
@@ -419,7 +483,9 @@ def test_reordered_chunks_and_bad_checksums_are_refused(hp, server, peer):
     assert_unchanged(server, before, peer)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     steps=st.integers(-(2**63), 2**63 - 1),
     tokens=st.integers(-(2**63), 2**63 - 1),
@@ -429,13 +495,14 @@ def test_reordered_chunks_and_bad_checksums_are_refused(hp, server, peer):
     total=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
     tail=st.binary(max_size=64),
 )
-def test_fuzzed_pushes_never_poison_the_model(hp, server, peer, steps, tokens, base, fragment,
-                                              value, total, tail):
+def test_fuzzed_pushes_never_poison_the_model(
+    hp, server, peer, steps, tokens, base, fragment, value, total, tail
+):
     """Structured fuzzing of the push header: refused with a status, never a non-finite model."""
     specs = server.state.fragments[0].specs
-    inc = server.state.learners[0].incarnation
-    chunks = peer.chunks(specs, small(specs, value), rnd=10**6, steps=steps, tokens=tokens,
-                         base=base)
+    chunks = peer.chunks(
+        specs, small(specs, value), rnd=10**6, steps=steps, tokens=tokens, base=base
+    )
     first = hp.PushChunk.FromString(chunks[0])
     first.header.fragment = fragment
     if total is not None:

@@ -142,6 +142,11 @@ def _validate_compression(z: CompressionConfig) -> None:
 
 
 def _validate_supervisor(c: ExperimentConfig) -> None:
+    sup = c.supervisor
+    _check(sup.max_restarts >= 0, "supervisor.max_restarts", "must be >= 0")
+    _check(sup.restart_backoff_s >= 0, "supervisor.restart_backoff_s", "must be >= 0")
+    _check(sup.crash_loop >= 1, "supervisor.crash_loop", "must be >= 1")
+    _check(sup.min_uptime_s >= 0, "supervisor.min_uptime_s", "must be >= 0")
     standby = c.supervisor.standby
     _check(0 <= standby <= 8, "supervisor.standby", f"must be in [0, 8], got {standby}")
     if standby:

@@ -197,6 +197,8 @@ class SyncerConfig:
       max_streams_per_learner: data calls one learner may hold open (0: what its link opens at
         most, fragments · (max_unsent + 1) + 2).
       stream_idle_s: a push or pull stream that moves nothing this long is cut.
+      durable: the local launcher gives every syncer shard a checkpoint directory (write-ahead
+        log and snapshots), so that a syncer killed in any way restarts with nothing lost.
     """
 
     host: str = "127.0.0.1"
@@ -220,6 +222,7 @@ class SyncerConfig:
     max_inflight_bytes: int = 0
     max_streams_per_learner: int = 0
     stream_idle_s: float = 30.0
+    durable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,16 +357,30 @@ class CompressionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SupervisorConfig:
-    """How the local supervisor restarts learners that a fault schedule (`chaos`) killed.
+    """How the local launcher restarts its processes, after a fault's kill or any other death.
+
+    Any death it did not cause counts too: a kill from outside, an out-of-memory kill, a crash.
+    An unexpected death is restarted after a backoff (`restart_backoff_s`, doubling per
+    consecutive death, up to 30 s); a process that dies `crash_loop` times in a row within
+    `min_uptime_s` of its start, or more than `max_restarts` times in all, ends the run with
+    its name and the tail of its log.
 
     Attributes:
       standby: warm spare learner processes kept per learner mesh shape (decoupled mode,
         single-process islands, under a fault schedule): a killed learner is restarted by
         activating one (imports, devices and compiled step done ahead) instead of starting a
         new process; 0: a new process (see docs/chaos.md).
+      max_restarts: unexpected deaths one process may have in a run before it fails the run.
+      restart_backoff_s: wait before restarting a process after its first unexpected death.
+      crash_loop: consecutive quick deaths (see `min_uptime_s`) that end the run at once.
+      min_uptime_s: a process that dies sooner than this after its start died quickly.
     """
 
     standby: int = 0
+    max_restarts: int = 5
+    restart_backoff_s: float = 1.0
+    crash_loop: int = 3
+    min_uptime_s: float = 20.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco.comm import wire
+from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.core.compression import ring_allreduce_bytes
@@ -137,14 +137,17 @@ def _start_syncers(
 ) -> str:
     """Starts the `syncer.shards` syncer processes; returns their addresses, comma-separated.
 
-    Each shard gets a fixed free port (a restart comes back on it) and, with checkpoints on,
-    its own directory `workdir/checkpoints/syncer_S`. One shard is named `syncer`.
+    Each shard gets a fixed free port (a restart comes back on it) and its own directory
+    `workdir/checkpoints/syncer_S` (write-ahead log and snapshots, unless
+    `decoupled.syncer.durable` is off): a restart loses nothing a learner was told. One shard
+    is named `syncer`.
     """
     shards = config.decoupled.syncer.shards
     port_files = [port_file] + [workdir / f"syncer_{s}.port" for s in range(1, shards)]
     for s in range(shards):
         port_files[s].unlink(missing_ok=True)
-        directory = workdir / "checkpoints" / f"syncer_{s}" if config.checkpoint.every else None
+        durable = config.decoupled.syncer.durable
+        directory = workdir / "checkpoints" / f"syncer_{s}" if durable else None
         command = syncer_command(config_file, port_files[s], free_port(), s, directory)
         supervisor.add("syncer" if shards == 1 else f"syncer_{s}", command)
     ports = [_wait_for_port(f, procs, timeout_s=180) for f in port_files]
@@ -218,7 +221,7 @@ def run_decoupled(
     token = config.decoupled.syncer.token or os.environ.get(wire.TOKEN_ENV) or secrets.token_hex(16)
     procs = Processes(workdir / "logs", {**child_env(token), **chaos_env})
     events = supervisor_lib.EventLog(workdir, time.monotonic())
-    supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events)
+    supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
     injector = None
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -252,7 +255,11 @@ def run_decoupled(
             summaries[i].unlink(missing_ok=True)
             for name, command in island_commands(config, config_file, address, i, summaries[i]):
                 leader = name == f"learner_{i}"
-                env = supervisor_lib.learner_env(i, leader)
+                # A learner holds only its own credential: it can act as itself, not as others.
+                env = {
+                    **supervisor_lib.learner_env(i, leader),
+                    wire.TOKEN_ENV: auth.learner_credential(token, i),
+                }
                 supervisor.add(name, command, learners=[i], env=env)
         client = syncer_client(address, config.decoupled.syncer, token)
         supervisor.start_thread()

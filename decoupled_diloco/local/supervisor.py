@@ -7,8 +7,12 @@ command (a learner restores its checkpoint and rejoins; a syncer restores its st
 on the same port), or, with `config.supervisor.standby`, by activating a warm spare learner
 process as it (`standby.Spares`). It records `down` (the failed learner's repair: not billed)
 and `waiting` (healthy learners of the same process, idled by the failure) in the timeline,
-and every fault and recovery in `metrics.jsonl`. A child that dies on its own is an error,
-reported with its log.
+and every fault and recovery in `metrics.jsonl`.
+
+A child that dies on its own (killed from outside, out of memory, a crash) is restarted the same
+way, after a backoff, as an orchestrator would (`config.supervisor`: restart budget, crash-loop
+detection); the other processes of its island go down and come back with it. The run fails
+only when a child exhausts its budget or crash-loops: the error names it and quotes its log.
 
 `run_synchronous` runs `dp` or `diloco` under a fault schedule the way a real synchronous job
 lives: the whole job in one process, killed when any learner fails, restarted from its last
@@ -79,6 +83,9 @@ class Child:
     paused: bool = False
     restarts: int = 0
     warm: bool = False  # its process is an activated warm standby (`standby`)
+    started_at: float = 0.0  # monotonic, of its current process
+    deaths: int = 0  # unexpected deaths so far (not ours)
+    quick_deaths: int = 0  # consecutive unexpected deaths within `min_uptime_s` of a start
 
 
 class Supervisor:
@@ -88,10 +95,18 @@ class Supervisor:
       procs: where children are started (logs, environment, reaping).
       timeline_dir: the run's timeline folder (`down`/`waiting`/`starting` records).
       log: the event log.
+      policy: how unexpected deaths are restarted (`config.supervisor`); None: the defaults.
     """
 
-    def __init__(self, procs: Processes, timeline_dir: pathlib.Path, log: EventLog):
+    def __init__(
+        self,
+        procs: Processes,
+        timeline_dir: pathlib.Path,
+        log: EventLog,
+        policy: config_lib.SupervisorConfig | None = None,
+    ):
         self.procs, self.log = procs, log
+        self.policy = policy or config_lib.SupervisorConfig()
         self.timeline = timeline_lib.Timeline(timeline_dir, "supervisor", [])
         self.timeline_dir = timeline_dir
         self.children: dict[str, Child] = {}
@@ -136,6 +151,7 @@ class Supervisor:
         if self.spares is not None and child.learners:
             self.spares.note_start(child.name)
         child.restart_at, child.killed, child.paused = None, False, False
+        child.started_at = time.monotonic()
 
     @staticmethod
     def _command(child: Child) -> list[str]:
@@ -188,15 +204,63 @@ class Supervisor:
                             }
                         )
                 elif code not in (None, 0) and self.error is None:
-                    self.error = (
-                        f"{child.name} exited with code {code}:\n{self.procs.tail(child.name)}"
-                    )
+                    self._died(child, code, now)
+
+    def _died(self, child: Child, code: int, now: float) -> None:
+        """A child died on its own: schedules its restart, or fails the run (module doc)."""
+        policy = self.policy
+        child.deaths += 1
+        uptime = now - child.started_at
+        child.quick_deaths = child.quick_deaths + 1 if uptime < policy.min_uptime_s else 0
+        how = f"exit code {code}" + (f" (signal {-code})" if code < 0 else "")
+        if child.deaths > policy.max_restarts:
+            self.error = (
+                f"{child.name} died {child.deaths} times ({how} the last time): its restart "
+                f"budget (supervisor.max_restarts={policy.max_restarts}) is spent; its log "
+                f"ends with:\n{self.procs.tail(child.name)}"
+            )
+            return
+        if child.quick_deaths >= policy.crash_loop:
+            self.error = (
+                f"{child.name} is crash-looping: it died {child.quick_deaths} times in a row "
+                f"within {policy.min_uptime_s:g} s of starting ({how} the last time; "
+                f"supervisor.crash_loop={policy.crash_loop}); its log ends with:\n"
+                f"{self.procs.tail(child.name)}"
+            )
+            return
+        delay = min(policy.restart_backoff_s * 2 ** max(child.quick_deaths - 1, 0), 30.0)
+        t = time.time()
+        # The other processes of its island (multi-process learners) cannot go on without it.
+        group = [
+            c
+            for c in self.children.values()
+            if c is child or (c.learners and set(c.learners) & set(child.learners))
+        ]
+        for other in group:
+            if other is not child and other.proc is not None and other.proc.poll() is None:
+                other.proc.kill()
+                other.proc.wait()
+                other.killed = True
+            other.restart_at = now + delay
+        if child.learners:
+            self.timeline.enter("down", t=t, learners=child.learners)
+        self.log(
+            {
+                "event": "crash",
+                "process": child.name,
+                "learners": child.learners,
+                "code": code,
+                "uptime_s": round(uptime, 3),
+                "deaths": child.deaths,
+                "restart_in_s": delay,
+            }
+        )
 
     def check(self) -> None:
         """Raises the first unexpected failure, if any.
 
         Raises:
-          RuntimeError: a child died without being killed by a fault (its log tail included).
+          RuntimeError: a child spent its restart budget or crash-loops (its log tail included).
         """
         if self.error:
             raise RuntimeError(self.error)
@@ -390,7 +454,7 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
     env.update({CHILD_ENV: "1", **chaos_env})
     procs = Processes(workdir / "logs", env)
     log = EventLog(workdir, t0)
-    supervisor = Supervisor(procs, workdir / "timeline", log)
+    supervisor = Supervisor(procs, workdir / "timeline", log, config.supervisor)
     command = [
         sys.executable,
         "-m",

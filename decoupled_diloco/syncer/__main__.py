@@ -7,6 +7,7 @@ Reads the flags and the environment (the run token, `DD_RUN_TOKEN`), builds a `S
 and serves until SIGTERM or SIGINT.
 """
 
+import os
 import pathlib
 import signal
 import sys
@@ -18,6 +19,8 @@ from ml_collections import config_flags
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import runtime
 from decoupled_diloco.syncer.server import SyncerServer, pause_in_merge
+
+STOP_DEADLINE_S = 4.5  # after SIGTERM: the syncer is gone within 5 s
 
 config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 flags.DEFINE_string("host", "", "Interface to bind (default: config.decoupled.syncer.host).")
@@ -70,7 +73,12 @@ def main(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    server.stop()
+    # Every wait in the handlers is bounded and ends with its call, so stopping takes about
+    # the grace period; should anything hang regardless, the process still ends within 5 s.
+    watchdog = threading.Timer(STOP_DEADLINE_S, lambda: os._exit(0))
+    watchdog.daemon = True
+    watchdog.start()
+    server.stop(grace_s=1.0)
     print("[syncer] stopped", flush=True)
 
 

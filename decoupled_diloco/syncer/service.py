@@ -40,8 +40,10 @@ CONTROL_THREADS = 16  # threads the data calls can never take (Register, Heartbe
 
 
 def streams_per_learner(config: ExperimentConfig) -> int:
-    """`max_streams_per_learner`, or what a learner's link may open: a push and its pull per
-    undelivered push of every fragment (`max_unsent` + 1 each), + 2."""
+    """`max_streams_per_learner`, or what a learner's link may open at most.
+
+    A push and its pull per undelivered push of every fragment (`max_unsent` + 1 each), + 2.
+    """
     s = config.decoupled.syncer
     return s.max_streams_per_learner or config.decoupled.fragments * (s.max_unsent + 1) + 2
 
