@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from decoupled_diloco import config as config_lib
 from decoupled_diloco.chaos import faults as chaos
 from decoupled_diloco.local.launch import Processes
 from decoupled_diloco.local.supervisor import EventLog, Supervisor, start_injector
@@ -205,7 +206,8 @@ def test_supervisor_plays_a_schedule_on_real_processes(tmp_path):
     )[0]
     procs = Processes(tmp_path / "logs", {"PATH": "/usr/bin:/bin"})
     log = EventLog(tmp_path, time.monotonic())
-    supervisor = Supervisor(procs, tmp_path / "timeline", log)
+    policy = config_lib.SupervisorConfig(restart_backoff_s=0.1, crash_loop=2, min_uptime_s=60)
+    supervisor = Supervisor(procs, tmp_path / "timeline", log, policy)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     injector = None
     try:
@@ -221,10 +223,17 @@ def test_supervisor_plays_a_schedule_on_real_processes(tmp_path):
         assert log.faults == 3
         assert chaos.Controls(chaos.control_path(tmp_path / "chaos", 1)).slowdown() == 1.0
         supervisor.check()  # a killed child is not an error
-        # A child that dies on its own is one.
-        supervisor.children["learner_1"].proc.kill()
-        wait_until(lambda: supervisor.error is not None, 10, "the unexpected death to be noticed")
-        with pytest.raises(RuntimeError, match="learner_1 exited with code -9"):
+        # A child that dies on its own (killed from outside) is restarted after the backoff...
+        outside = supervisor.children["learner_1"].proc
+        outside.kill()
+        wait_until(lambda: log.recoveries >= 4, 20, "the restart after a death from outside")
+        again = supervisor.children["learner_1"].proc
+        assert again.pid != outside.pid and again.poll() is None
+        supervisor.check()
+        # ...and a second quick death in a row is a crash loop (crash_loop=2), which ends the run.
+        again.kill()
+        wait_until(lambda: supervisor.error is not None, 20, "the crash loop to be noticed")
+        with pytest.raises(RuntimeError, match="learner_1 is crash-looping: it died 2 times"):
             supervisor.check()
     finally:
         if injector is not None:
@@ -232,15 +241,39 @@ def test_supervisor_plays_a_schedule_on_real_processes(tmp_path):
         supervisor.stop()
         procs.reap()
     events = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    kinds = [(e["event"], e["kind"]) for e in events]
+    kinds = [(e["event"], e.get("kind")) for e in events]
     assert ("fault", "kill") in kinds and ("recovery", "restart") in kinds
+    crashes = [e for e in events if e["event"] == "crash"]
+    assert [(e["process"], e["code"], e["deaths"]) for e in crashes] == [("learner_1", -9, 1)]
     assert ("fault", "pause") in kinds and ("recovery", "pause") in kinds
     assert all("wall_s" in e and "time" in e for e in events)
     records = tl.load(tmp_path / "timeline")
     assert [r.state for r in records[0]] == ["starting", "down", "starting"]
-    assert [r.state for r in records[1]] == ["starting", "paused", "blocked"]
+    assert [r.state for r in records[1]] == ["starting", "paused", "blocked", "down", "starting"]
     down, restart = records[0][1].t, records[0][2].t
     assert restart - down >= 0.5  # restarted only after the repair time
+
+
+@pytest.mark.multiprocess
+def test_a_child_that_keeps_failing_spends_its_restart_budget(tmp_path):
+    procs = Processes(tmp_path / "logs", {"PATH": "/usr/bin:/bin"})
+    log = EventLog(tmp_path, time.monotonic())
+    policy = config_lib.SupervisorConfig(
+        max_restarts=2, restart_backoff_s=0.0, crash_loop=100, min_uptime_s=0.0
+    )
+    supervisor = Supervisor(procs, tmp_path / "timeline", log, policy)
+    failing = [sys.executable, "-c", "import sys; print('bad config: x'); sys.exit(3)"]
+    try:
+        supervisor.add("syncer", failing)
+        supervisor.start_thread()
+        wait_until(lambda: supervisor.error is not None, 60, "the budget to be spent")
+        with pytest.raises(RuntimeError, match=r"syncer died 3 times \(exit code 3") as info:
+            supervisor.check()
+        assert "max_restarts=2" in str(info.value) and "bad config: x" in str(info.value)
+        assert supervisor.children["syncer"].restarts == 2
+    finally:
+        supervisor.stop()
+        procs.reap()
 
 
 def test_degraded_link_drops_requests_and_replies_and_adds_latency(tmp_path, monkeypatch):

@@ -36,3 +36,18 @@ def identify(presented: str, run_token: str) -> int | None:
     learner_id = int(match.group(1))
     want = learner_credential(run_token, learner_id)
     return learner_id if hmac.compare_digest(presented.encode(), want.encode()) else None
+
+
+def main() -> None:
+    """`DD_RUN_TOKEN=... python -m decoupled_diloco.comm.auth LEARNER_ID`: print its credential."""
+    import os
+    import sys
+
+    token = os.environ.get("DD_RUN_TOKEN", "")
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit() or not token:
+        sys.exit("usage: DD_RUN_TOKEN=... python -m decoupled_diloco.comm.auth LEARNER_ID")
+    print(learner_credential(token, int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
