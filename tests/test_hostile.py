@@ -555,3 +555,49 @@ def test_a_merge_that_would_poison_the_fragment_is_refused(tmp_path):
     for i in (0, 1):
         state.push(Push(i, 0, 1, 0, 4, 1024, small_delta))
     assert frag.version == 1 and all(np.isfinite(v).all() for v in frag.values)
+
+
+def test_push_bytes_in_flight_are_bounded_and_the_refusal_is_retryable(hp, server, peer):
+    """Row 7: reservations come from the headers; past the bound a push waits (retryable)."""
+    from decoupled_diloco.comm import retry
+
+    specs = server.state.fragments[0].specs
+    guard = server.service.guard
+    per_push = sum(s.nbytes for s in specs)
+    held = guard.max_bytes // per_push  # pushes that fit at once
+    release = threading.Event()
+    before = snapshot(server.state)
+
+    def slow(rnd):
+        chunks = peer.chunks(specs, small(specs), rnd=rnd, chunk=per_push // 2)
+
+        def gen():
+            yield chunks[0]  # the header: its bytes are reserved now
+            release.wait(30)
+
+        return gen()
+
+    call = peer.channel.stream_unary(SERVICE + "Push", request_serializer=None)
+    pending = [call.future(slow(900 + i), metadata=peer.md) for i in range(held)]
+    try:
+        wait_until_reserved = time.monotonic() + 30
+        while guard.stats()["bytes_in_flight"] < held * per_push:
+            assert time.monotonic() < wait_until_reserved, guard.stats()
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as info:
+            peer.push_raw(peer.chunks(specs, small(specs), rnd=950))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "in flight" in info.value.details() and retry.retryable(info.value)
+        assert guard.stats()["bytes_in_flight"] <= guard.max_bytes
+    finally:
+        release.set()
+        for f in pending:
+            _code(f)
+    # A push too big for the syncer at all is not retried.
+    header = hp.PushHeader(learner_id=0, tensors=tensor_headers(hp, specs), total_bytes=10**9)
+    with pytest.raises(grpc.RpcError) as info:
+        peer.push_raw([hp.PushChunk(header=header).SerializeToString()])
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not retry.retryable(info.value)
+    assert guard.stats()["bytes_in_flight"] == 0
+    assert_unchanged(server, before, peer)
