@@ -18,7 +18,6 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.learner.multihost import ProcessGroup, local_device_count
 from decoupled_diloco.local import launch
-from decoupled_diloco.local.procs import Processes
 from tests.helpers import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -93,9 +92,28 @@ def test_island_commands_give_each_process_its_place(tmp_path):
     assert flags[1]["summary"] == str(tmp_path / "learner_1_p1.json")
 
 
+def _pids(workdir, *needles):
+    """Live processes of this run whose command line contains every needle."""
+    found = []
+    for proc in pathlib.Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and str(workdir) in cmdline and all(n in cmdline for n in needles):
+            found.append(int(proc.name))
+    return found
+
+
 @pytest.mark.multiprocess
-def test_multihost_two_islands_of_two_processes_train_to_the_end(tmp_path):
-    steps = 24
+def test_multihost_islands_train_to_the_end_and_losing_one_process_restarts_only_its_island(
+    tmp_path,
+):
+    """Two islands of two processes through the launcher. One process of island 1 is killed
+    from outside: its leader goes down with it, the supervisor restarts both, they restore the
+    island's checkpoint collectively and rejoin, while island 0 trains on untouched; the run
+    then ends with both processes of each island in lockstep."""
+    steps = 64
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -111,92 +129,60 @@ def test_multihost_two_islands_of_two_processes_train_to_the_end(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
+    client = None
     try:
+        port_file = tmp_path / "syncer.port"
+        wait_until(port_file.exists, 180, "the syncer's port file")
+        client = SyncerClient(
+            f"127.0.0.1:{port_file.read_text()}", config_lib.SyncerConfig(), TOKEN
+        )
+
+        def steps_of():
+            learners = client.status()["learners"]
+            return [learners.get(str(i), {}).get("step", 0) for i in range(2)]
+
+        wait_until(lambda: min(steps_of()) >= 16, 240, "both islands to train")
+        victim = wait_until(
+            lambda: _pids(tmp_path, "--learner_id=1", "--process_id=1"), 30, "island 1's p1"
+        )
+        os.kill(victim[0], 9)
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:]
     finally:
+        if client is not None:
+            client.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    events = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    crashes = [e["process"] for e in events if e.get("event") == "crash"]
+    restarted = sorted(e["process"] for e in events if e.get("event") == "recovery")
+    # The death is noticed on the killed process, or on its leader if that fell first.
+    assert len(crashes) == 1 and crashes[0] in ("learner_1", "learner_1_p1"), crashes
+    assert restarted == ["learner_1", "learner_1_p1"]  # island 0 was never restarted
+    logs = tmp_path / "logs"
+    assert (logs / "learner_0.log").read_text().count("joined at versions") == 1
+    island_1 = (logs / "learner_1.log").read_text()
+    assert island_1.count("joined at versions") == 2  # it rejoined ...
+    restored = [x for x in island_1.splitlines() if "restored step" in x]  # ... from its checkpoint
+    assert restored and int(restored[-1].split("restored step ")[1].split()[0]) >= 8
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["final_eval_loss"] < 5.0  # ln(256) = 5.55 at init
-    assert summary["outer_syncs"] >= 4
+    assert summary["outer_syncs"] >= 4 and summary["recoveries"] == 2
     for i in range(2):
         leader = json.loads((tmp_path / f"learner_{i}.json").read_text())
         other = json.loads((tmp_path / f"learner_{i}_p1.json").read_text())
         assert (leader["process_id"], other["process_id"]) == (0, 1)
         assert leader["steps"] == other["steps"] == steps and not leader["errors"]
         # The same merges at the same steps, and bit-identical parameters after each one.
-        assert len(leader["merge_digests"]) >= 3
+        assert len(leader["merge_digests"]) >= 2
         assert leader["merge_digests"] == other["merge_digests"]
         assert leader["versions"] == other["versions"] and min(leader["versions"]) >= 1
         assert other["pushes"] == {"accepted": 0, "late": 0, "duplicate": 0}  # leader only
         assert other["pushes_unsent"] == other["pushes_dropped"] == 0 and not other["errors"]
         # One checkpoint per island, written by both processes together (each its shards).
         assert (tmp_path / "checkpoints" / f"learner_{i}" / str(steps)).is_dir()
-
-
-@pytest.mark.multiprocess
-def test_multihost_losing_one_process_restarts_only_its_island(tmp_path):
-    config = _tiny_config(train_steps=100_000)
-    config_file = config_lib.write_config_file(config, tmp_path / "config.py")
-    procs = Processes(tmp_path / "logs", launch.child_env(TOKEN))
-    port_file = tmp_path / "syncer.port"
-    client = None
-    try:
-        procs.start("syncer", launch.syncer_command(config_file, port_file))
-        wait_until(port_file.exists, 180, "the syncer's port file")
-        address = f"127.0.0.1:{port_file.read_text()}"
-
-        def start_island(i):
-            summary = tmp_path / f"learner_{i}.json"
-            for name, command in launch.island_commands(config, config_file, address, i, summary):
-                procs.start(name, command)
-
-        start_island(0)
-        start_island(1)
-        client = SyncerClient(address, config.decoupled.syncer, TOKEN)
-
-        def steps():
-            learners = client.status()["learners"]
-            return [learners.get(str(i), {}).get("step", 0) for i in range(2)]
-
-        wait_until(lambda: min(steps()) >= 16, 240, "both islands to train")
-        victim = procs.procs["learner_1_p1"]
-        victim.kill()
-        victim.wait()
-        # The island's leader follows (a collective error or a missed heartbeat) ...
-        leader = procs.procs["learner_1"]
-        wait_until(lambda: leader.poll() is not None, 120, "island 1's leader to go down")
-        assert leader.returncode != 0
-        # ... while island 0 keeps training.
-        at_loss = steps()
-        wait_until(lambda: steps()[0] >= at_loss[0] + 16, 120, "island 0 to keep stepping")
-        assert all(procs.procs[n].poll() is None for n in ("learner_0", "learner_0_p1"))
-        # The island restarts as a whole and rejoins: it registers again, takes the global
-        # fragments and trains from its first step.
-        start_island(1)
-        log = tmp_path / "logs" / "learner_1.log"
-        wait_until(lambda: log.read_text().count("joined at versions") == 2, 240, "the rejoin")
-        # Both processes restore the island's last checkpoint (collectively), then train on.
-        restored = wait_until(
-            lambda: [x for x in log.read_text().splitlines() if "restored step" in x],
-            240,
-            "the island's restore",
-        )
-        assert int(restored[-1].split("restored step ")[1].split()[0]) >= 8
-        rejoined = steps()[1]
-        restarted = procs.procs["learner_1"]
-        wait_until(lambda: steps()[1] >= rejoined + 16, 240, "island 1 to train again")
-        assert restarted.poll() is None and procs.procs["learner_1_p1"].poll() is None
-        learner_1 = client.status()["learners"]["1"]
-        assert learner_1["state"] == "training" and min(learner_1["versions"]) >= 1
-        assert procs.procs["learner_0"].poll() is None
-    finally:
-        if client is not None:
-            client.close()
-        procs.reap()
-    assert all(p.poll() is not None for p in procs.procs.values())
+    assert not _pids(tmp_path, "decoupled_diloco")  # every child reaped
 
 
 def _tiny_config(**overrides):
