@@ -247,8 +247,8 @@ def run(out: pathlib.Path) -> None:
                 learner_id=0, fragment=0, min_version=2**62, wait_s=wait_s, timeout=60
             )
 
-        def beat(who, secret=None, **fields):
-            request = pb.HeartbeatRequest(**fields) if fields else b"\x0a" + b"\xff" * (60 << 20)
+        def beat(who, secret=None, mb=60, **fields):
+            request = pb.HeartbeatRequest(**fields) if fields else b"\x0a" + b"\xff" * (mb << 20)
             return _code(lambda: who.unary("Heartbeat", request, pb.HeartbeatReply, secret=secret))
 
         def many(fns):
@@ -316,10 +316,15 @@ def run(out: pathlib.Path) -> None:
             "7. 3 pushes with 64 MiB past their declared size",
             lambda: many([pusher(rnd=30 + r, extra=64) for r in range(3)]),
         )
-        attack("8. a 60 MB Heartbeat with a wrong token", lambda: beat(a, secret="wrong"))
+        attack("8a. a 60 MB Heartbeat with a wrong token", lambda: beat(a, secret="wrong"))
+        attack("8b. a 6 MB Heartbeat with a wrong token", lambda: beat(a, secret="wrong", mb=6))
         attack(
-            "9. a heartbeat with 8M versions",
+            "9a. a heartbeat with 8M versions",
             lambda: beat(a, learner_id=0, versions=[1] * (8 << 20)),
+        )
+        attack(
+            "9b. a heartbeat with 1M versions",
+            lambda: beat(a, learner_id=0, versions=[1] * (1 << 20)),
         )
 
         def unregistered(i):
@@ -417,8 +422,10 @@ def run(out: pathlib.Path) -> None:
             f"(RESOURCE_EXHAUSTED beyond the bound; learners retry those); peak push bytes in "
             f"flight {guard['peak_bytes_in_flight'] / 2**20:.1f} MiB (target ≤ "
             f"{INFLIGHT / 2**20:.0f} MiB); syncer RSS {rss0:.0f} MB before, peak "
-            f"{peak[0]:.0f} MB during (+{peak[0] - rss0:.0f} MB: the admitted buffers plus "
-            "gRPC's own receive buffers)."
+            f"{peak[0]:.0f} MB during (+{peak[0] - rss0:.0f} MB). The bound holds for the "
+            "syncer's own push buffers; the RSS growth above it is gRPC's: each open stream's "
+            "current message (≤ 8 MiB) is received before any handler code sees it, for at most "
+            "the data slots' number of streams, and is not covered by `max_inflight_bytes`."
         )
         # SIGTERM with all of the above behind it, and 22 pulls waiting.
         waiting = concurrent.futures.ThreadPoolExecutor(22)

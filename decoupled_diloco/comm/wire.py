@@ -26,8 +26,9 @@ from decoupled_diloco.core.fragments import TensorSpec
 
 TOKEN_HEADER = "x-dd-run-token"
 TOKEN_ENV = "DD_RUN_TOKEN"
-# Control messages and chunks stay far below this; it only bounds a single message.
-MAX_MESSAGE_BYTES = 64 << 20
+# Control messages and chunks stay far below this; it bounds a single message (and so what a
+# peer can make the syncer buffer before its first chunk is checked): 4 chunks if larger.
+MAX_MESSAGE_BYTES = 8 << 20
 
 
 # Protobuf tags (field number << 3 | length-delimited) of the `data` fields of PushChunk (2) and
