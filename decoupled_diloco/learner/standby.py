@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from decoupled_diloco import runtime
+from decoupled_diloco.comm.wire import TOKEN_ENV
 
 READY = "ready"  # written by a spare once it is warm: {"process_start": t, "ready": t}
 ACTIVATE = "activate.json"  # written by whoever activates it (see the module doc)
@@ -277,7 +278,9 @@ class Spares:
         with warnings.catch_warnings():
             # JAX warns on every fork of a process that imported it; the child execs at once.
             warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-            proc = self.procs.start(name, command)
+            # No secret until it knows which learner it becomes: its activation brings that
+            # learner's own credential (`comm.auth`).
+            proc = self.procs.start(name, command, {TOKEN_ENV: ""})
         spare = Spare(name, directory, shape, proc)
         self.pool[shape].append(spare)
         return spare
@@ -323,13 +326,17 @@ class Spares:
         self.pool[spare.shape].remove(spare)
         activation = {
             "argv": command[3:],
-            "env": dict(env),
+            # The learner's own secret (its credential), else the one all children share.
+            "env": {TOKEN_ENV: self.procs.env.get(TOKEN_ENV, ""), **env},
             "log": str(self.procs.log_dir / f"{name}.log"),
             "time": time.time(),
         }
         tmp = spare.directory / (ACTIVATE + ".tmp")
         spare.directory.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(activation))
+        # Owner-only: it carries the learner's credential.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(activation))
         tmp.replace(spare.directory / ACTIVATE)
         del self.procs.procs[spare.name]
         self.procs.procs[name] = spare.proc
