@@ -73,7 +73,7 @@ def train_and_evaluate(
       stop_after: stop (with a checkpoint) after this global step, as a preemption would.
       corpus: pre-loaded data, a text corpus or an image set (default: load `config.data`).
       supervised_controls: set in the child process a fault supervisor runs (see
-        `local.supervisor.run_synchronous`): each learner's live fault controls. None: this
+        `local.synchronous.run_synchronous`): each learner's live fault controls. None: this
         process supervises itself when `config.chaos` names a schedule.
 
     Returns:
@@ -90,10 +90,10 @@ def train_and_evaluate(
     supervised = supervised_controls is not None  # the process a supervisor runs
     if config.chaos and not supervised:
         # Under faults the job runs in a child process that a fault can kill -9 (see
-        # `supervisor.run_synchronous`); here we only supervise it.
+        # `synchronous.run_synchronous`); here we only supervise it.
         if workdir is None:
             raise config_lib.ConfigError("config.chaos: a run under faults needs a workdir")
-        from decoupled_diloco.local.supervisor import run_synchronous
+        from decoupled_diloco.local.synchronous import run_synchronous
 
         summary = run_synchronous(config, pathlib.Path(workdir))
         params = _final_params(config, devices, corpus, pathlib.Path(workdir))

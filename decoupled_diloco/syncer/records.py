@@ -6,6 +6,7 @@ Plain data and small pure functions, shared by the state, its write-ahead log an
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -80,3 +81,28 @@ class LearnerInfo:
     sync_rounds: int = 0
     incarnation: int = -1  # of its last registration (0 for the first); older pushes refused
     dropped_pushes: int = 0  # accepted pushes whose merge was refused (`SyncerState._merge`)
+
+
+class FragmentState:
+    """Global values, outer optimizer state, version and the open round of one fragment.
+
+    Args:
+      specs: the fragment's tensor specs.
+      values: its global values (own copies: merges never share them).
+      opt_state: the outer optimizer's state for them (host arrays).
+    """
+
+    def __init__(self, specs: list[Any], values: list[np.ndarray], opt_state: Any):
+        self.specs, self.values, self.opt_state = specs, values, opt_state
+        self.version = 0
+        # What learners may see (pull, register, heartbeat, status): with a durable syncer, a
+        # merged version is published only once a checkpoint holding it is on disk.
+        self.published, self.published_values = 0, self.values
+        self.history = {0: self.values}
+        self.pending: dict[int, Push] = {}
+        self.first_push_t = self.quorum_t = self.closed_t = None
+        # version -> learners whose pushes it merged and that have not pulled it yet: only
+        # their pulls are return trips (ξ_sync); anyone else's pull of it is just catching up.
+        self.awaiting_sync: dict[int, set[int]] = {}
+        self.grace_s = 0.0
+        self.merges = self.late = self.duplicates = self.refused_merges = 0

@@ -53,34 +53,19 @@ from absl import logging
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
 from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
-from decoupled_diloco.syncer import admission
-from decoupled_diloco.syncer.records import Ema, LearnerInfo, Push, PushResult, grace_window
+from decoupled_diloco.syncer import admission, view
+from decoupled_diloco.syncer.records import (
+    Ema,
+    FragmentState,
+    LearnerInfo,
+    Push,
+    PushResult,
+    grace_window,
+)
 
 
 class PushRefused(ValueError):
     """A push the state refuses before it changes anything (the message says why)."""
-
-
-class FragmentState:
-    """Global values, outer optimizer state, version and the open round of one fragment."""
-
-    def __init__(self, specs: Sequence[TensorSpec], values: Sequence[np.ndarray], tx: Any):
-        self.specs = list(specs)
-        self.values = [np.array(v) for v in values]  # own copies: merges never share
-        tree = {s.name: v for s, v in zip(self.specs, self.values, strict=True)}
-        self.opt_state = jax.device_get(tx.init(tree))
-        self.version = 0
-        # What learners may see (pull, register, heartbeat, status): with a durable syncer, a
-        # merged version is published only once a checkpoint holding it is on disk.
-        self.published, self.published_values = 0, self.values
-        self.history = {0: self.values}
-        self.pending: dict[int, Push] = {}
-        self.first_push_t = self.quorum_t = self.closed_t = None
-        # version -> learners whose pushes it merged and that have not pulled it yet: only
-        # their pulls are return trips (ξ_sync); anyone else's pull of it is just catching up.
-        self.awaiting_sync: dict[int, set[int]] = {}
-        self.grace_s = 0.0
-        self.merges = self.late = self.duplicates = self.refused_merges = 0
 
 
 class SyncerState:
@@ -121,10 +106,12 @@ class SyncerState:
         )
         # A fragment another shard owns keeps its specs but no values (empty placeholders).
         empty = np.zeros(0, np.float32)
-        self.fragments = [
-            FragmentState(specs, values if p in self.owned else [empty] * len(specs), self.tx)
-            for p, (specs, values) in enumerate(zip(fragments, initial, strict=True))
-        ]
+        self.fragments = []
+        for p, (specs, values) in enumerate(zip(fragments, initial, strict=True)):
+            values = [np.array(v) for v in values] if p in self.owned else [empty] * len(specs)
+            tree = {x.name: v for x, v in zip(specs, values, strict=True)}
+            opt_state = jax.device_get(self.tx.init(tree))
+            self.fragments.append(FragmentState(list(specs), values, opt_state))
         # Durability (see `syncer.durability`): `seq` counts changes a restart must not lose;
         # with `durable` set, merged versions wait for a commit (`publish`) to become visible.
         self.durable = False
@@ -467,41 +454,4 @@ class SyncerState:
 
     def status(self) -> dict[str, Any]:
         """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs."""
-        with self.lock:
-            now = self.clock()
-            versions = self.versions()
-            learners = {}
-            for i, info in sorted(self.learners.items()):
-                entry = dataclasses.asdict(info)
-                entry["heartbeat_age_s"] = now - info.last_seen
-                entry["staleness"] = max(
-                    (v - h for v, h in zip(versions, info.versions, strict=False)), default=0
-                )
-                entry.pop("last_seen")
-                learners[str(i)] = entry
-            return {
-                "learners": learners,
-                "live": self.live_learners(now),
-                "fragments": [
-                    {
-                        "version": f.published,
-                        "owned": p in self.owned,
-                        "merges": f.merges,
-                        "pending": sorted(f.pending),
-                        "late_pushes": f.late,
-                        "refused_merges": f.refused_merges,
-                        "duplicate_pushes": f.duplicates,
-                        "bytes": sum(s.nbytes for s in f.specs),
-                    }
-                    for p, f in enumerate(self.fragments)
-                ],
-                "merges": sum(f.merges for f in self.fragments),
-                "uptime_s": now - self.started,
-                "merge_sizes": self.merge_sizes,
-                "ema": {
-                    "step_s": self.ema_step.get(),
-                    "quorum_s": self.ema_quorum.get(),
-                    "sync_s": self.ema_sync.get(),
-                },
-                "merge_log": self.merge_log[-200:],
-            }
+        return view.status(self)

@@ -1,0 +1,52 @@
+"""The syncer's status: what `Status` replies with and `python -m decoupled_diloco.status` shows."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def status(state: Any) -> dict[str, Any]:
+    """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs.
+
+    Args:
+      state: the `SyncerState`; read under its lock, bounded in size (heartbeats are checked).
+    """
+    with state.lock:
+        now = state.clock()
+        versions = state.versions()
+        learners = {}
+        for i, info in sorted(state.learners.items()):
+            entry = dataclasses.asdict(info)
+            entry["heartbeat_age_s"] = now - info.last_seen
+            entry["staleness"] = max(
+                (v - h for v, h in zip(versions, info.versions, strict=False)), default=0
+            )
+            entry.pop("last_seen")
+            learners[str(i)] = entry
+        return {
+            "learners": learners,
+            "live": state.live_learners(now),
+            "fragments": [
+                {
+                    "version": f.published,
+                    "owned": p in state.owned,
+                    "merges": f.merges,
+                    "pending": sorted(f.pending),
+                    "late_pushes": f.late,
+                    "refused_merges": f.refused_merges,
+                    "duplicate_pushes": f.duplicates,
+                    "bytes": sum(s.nbytes for s in f.specs),
+                }
+                for p, f in enumerate(state.fragments)
+            ],
+            "merges": sum(f.merges for f in state.fragments),
+            "uptime_s": now - state.started,
+            "merge_sizes": state.merge_sizes,
+            "ema": {
+                "step_s": state.ema_step.get(),
+                "quorum_s": state.ema_quorum.get(),
+                "sync_s": state.ema_sync.get(),
+            },
+            "merge_log": state.merge_log[-200:],
+        }
