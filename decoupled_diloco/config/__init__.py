@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections
 
 from decoupled_diloco.config.checks import check
+from decoupled_diloco.config.derived import mesh_shape_for, overlap_steps, parse_mesh_shapes
 from decoupled_diloco.config.schema import (
     COMPRESSION_SCHEMES,
     DATASETS,
@@ -41,9 +42,6 @@ from decoupled_diloco.config.schema import (
     OuterConfig,
     SupervisorConfig,
     SyncerConfig,
-    mesh_shape_for,
-    overlap_steps,
-    parse_mesh_shapes,
 )
 
 __all__ = [

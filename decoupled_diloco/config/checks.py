@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
+from decoupled_diloco.config.derived import parse_mesh_shapes
 from decoupled_diloco.config.schema import (
     COMPRESSION_SCHEMES,
     DATASETS,
@@ -19,7 +20,6 @@ from decoupled_diloco.config.schema import (
     CompressionConfig,
     ConfigError,
     ExperimentConfig,
-    parse_mesh_shapes,
 )
 
 

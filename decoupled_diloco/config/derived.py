@@ -1,0 +1,45 @@
+"""Values derived from a config: τ, and each learner's mesh shape."""
+
+from __future__ import annotations
+
+from decoupled_diloco.config.schema import ConfigError, ExperimentConfig
+
+
+def overlap_steps(config: ExperimentConfig) -> int:
+    """τ: `decoupled.overlap_steps`, or H // 5 where it is -1 (the default)."""
+    tau = config.decoupled.overlap_steps
+    return config.inner_steps // 5 if tau < 0 else tau
+
+
+def parse_mesh_shapes(config: ExperimentConfig) -> list[tuple[int, int]]:
+    """Each learner's (`data`, `model`) mesh shape: `decoupled.mesh_shapes`, else `mesh.shape`.
+
+    Raises:
+      ConfigError: a malformed list or one whose length is not `num_learners`.
+    """
+    text = config.decoupled.mesh_shapes.strip()
+    if not text:
+        return [tuple(config.mesh.shape)] * config.num_learners
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ConfigError(
+                f"config.decoupled.mesh_shapes: {item!r} is not DATAxMODEL (e.g. 2x1)"
+            )
+        shapes.append((int(parts[0]), int(parts[1])))
+    if len(shapes) != config.num_learners:
+        raise ConfigError(
+            f"config.decoupled.mesh_shapes: {len(shapes)} shapes for {config.num_learners} learners"
+        )
+    return shapes
+
+
+def mesh_shape_for(config: ExperimentConfig, learner_id: int, override: str) -> tuple[int, int]:
+    """This learner's mesh: the `--mesh_shape` flag, else the config."""
+    if override:
+        parts = override.lower().split("x")
+        if len(parts) != 2 or not all(x.isdigit() and int(x) >= 1 for x in parts):
+            raise ValueError(f"--mesh_shape: {override!r} is not DATAxMODEL (e.g. 2x1)")
+        return int(parts[0]), int(parts[1])
+    return parse_mesh_shapes(config)[learner_id]
