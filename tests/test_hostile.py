@@ -548,8 +548,17 @@ def test_a_merge_that_would_poison_the_fragment_is_refused(tmp_path):
         np.testing.assert_array_equal(a, b)
     state.wal.close()
     state.wal = None
-    kinds = [header["kind"] for header, _ in wal_lib.read(tmp_path / "0.log")]
-    assert "merge" not in kinds and kinds.count("push") == 2
+    records = list(wal_lib.read(tmp_path / "0.log"))
+    kinds = [header["kind"] for header, _ in records]
+    assert "merge" not in kinds and kinds.count("push") == 2 and kinds[-1] == "refuse"
+    # A restart replaying the log does not bring the dropped pushes back.
+    replayed = SyncerState(config, cut, values)
+    with replayed.lock:
+        for header, arrays in records:
+            wal_lib.apply(replayed, header, arrays)
+    again = replayed.fragments[0]
+    assert not again.pending and again.version == 0 and again.refused_merges == 1
+    assert [replayed.learners[i].dropped_pushes for i in (0, 1)] == [1, 1]
     # An honest round afterwards merges as usual.
     small_delta = [np.full(s.shape, 1e-3, np.float32) for s in cut[0]]
     for i in (0, 1):

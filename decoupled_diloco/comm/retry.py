@@ -24,7 +24,11 @@ def retryable(error: grpc.RpcError) -> bool:
     code = error.code() if hasattr(error, "code") else None
     if code in RETRYABLE:
         return True
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hasattr(error, "trailing_metadata"):
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    if hasattr(error, "details") and error.details() == "Concurrent RPC limit exceeded!":
+        return True  # the server's `maximum_concurrent_rpcs`: busy now
+    if hasattr(error, "trailing_metadata"):
         return any(k == RETRY_TRAILER for k, _ in error.trailing_metadata() or ())
     return False
 

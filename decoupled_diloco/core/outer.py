@@ -63,29 +63,31 @@ def bounded_shares(weights: Sequence[float], cap: float) -> list[float]:
 
     An entry above the cap is cut to it and the rest is shared among the others in proportion
     to their weights, repeated until none exceeds it (water-filling), so one outer gradient with
-    an outsized token count cannot stand in for the whole merge. With k entries and k·cap < 1
-    (no way to respect the cap) the shares are equal. Computed in float64 on the host: no weight
+    an outsized token count cannot stand in for the whole merge. With k positive entries and
+    k·cap ≤ 1 (no way to respect the cap) they share equally; zero (or non-finite) weights get
+    a zero share. Computed in float64 on the host: no weight
     can overflow. All-zero weights give all-zero shares (a merge that moves nothing).
     """
-    w = [max(float(x), 0.0) for x in weights]
+    w = [float(x) if math.isfinite(float(x)) and float(x) > 0 else 0.0 for x in weights]
     total = math.fsum(w)
     if not total > 0:
         return [0.0] * len(w)
-    if cap * len(w) <= 1.0:
-        return [1.0 / len(w)] * len(w)
+    positive = [i for i, x in enumerate(w) if x > 0]  # zero weights keep a zero share
+    if cap * len(positive) <= 1.0:
+        return [1.0 / len(positive) if x > 0 else 0.0 for x in w]
     shares, fixed = [x / total for x in w], set()
     while True:
         over = {i for i, s in enumerate(shares) if s > cap and i not in fixed}
         if not over:
             return shares
         fixed |= over
-        free = [i for i in range(len(w)) if i not in fixed]
+        free = [i for i in positive if i not in fixed]
         rest = 1.0 - cap * len(fixed)
         free_total = math.fsum(w[i] for i in free)
         for i in fixed:
             shares[i] = cap
         for i in free:
-            shares[i] = rest * (w[i] / free_total if free_total > 0 else 1.0 / len(free))
+            shares[i] = rest * w[i] / free_total
 
 
 def _normalized(weights: Sequence[float] | jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -147,6 +148,10 @@ def _start_syncers(
     for s in range(shards):
         port_files[s].unlink(missing_ok=True)
         durable = config.decoupled.syncer.durable
+        if durable and not config.checkpoint.every:
+            # Learners without checkpoints start afresh, so must the syncer: an old run's state
+            # in a reused workdir would otherwise come back (with checkpoints, both resume).
+            shutil.rmtree(workdir / "checkpoints" / f"syncer_{s}", ignore_errors=True)
         directory = workdir / "checkpoints" / f"syncer_{s}" if durable else None
         command = syncer_command(config_file, port_files[s], free_port(), s, directory)
         supervisor.add("syncer" if shards == 1 else f"syncer_{s}", command)
@@ -215,10 +220,13 @@ def run_decoupled(
 
     # Timeline (goodput) and, under `config.chaos`, the fault schedule and its controls.
     config, chaos_env, schedule = supervisor_lib.prepare_run(config, workdir)
+    token = config.decoupled.syncer.token or os.environ.get(wire.TOKEN_ENV) or secrets.token_hex(16)
+    # The token goes to the syncers through the environment, never through the config file
+    # the learners read too: each learner gets only its own credential.
+    config = config_lib.replace(config, **{"decoupled.syncer.token": ""})
     config_file = config_lib.write_config_file(config, workdir / "config.py")
     port_file = workdir / "syncer.port"
     port_file.unlink(missing_ok=True)
-    token = config.decoupled.syncer.token or os.environ.get(wire.TOKEN_ENV) or secrets.token_hex(16)
     procs = Processes(workdir / "logs", {**child_env(token), **chaos_env})
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)

@@ -230,7 +230,12 @@ class Supervisor:
         group = [
             c
             for c in self.children.values()
-            if c is child or (c.learners and set(c.learners) & set(child.learners))
+            if c is child
+            or (
+                c.learners
+                and set(c.learners) & set(child.learners)
+                and not (c.proc is not None and c.proc.poll() == 0)  # finished its share
+            )
         ]
         for other in group:
             if other is not child and other.proc is not None and other.proc.poll() is None:

@@ -65,7 +65,8 @@ class Activity:
         logging.log_every_n_seconds(
             logging.WARNING, "[syncer] push of %d bytes waits: %d in flight", 5.0, nbytes, busy
         )
-        self.context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
+        if nbytes <= g.max_bytes:  # it fits once others finish: worth retrying
+            self.context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
         self.context.abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"push of {nbytes} bytes refused: {busy} bytes of pushes already in flight, bound "

@@ -22,7 +22,7 @@ from decoupled_diloco import tasks
 from decoupled_diloco.comm import wire
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.syncer.service import CONTROL_THREADS, SyncerService, add_service, data_slots
+from decoupled_diloco.syncer.service import SyncerService, add_service, control_slots, data_slots
 from decoupled_diloco.syncer.state import SyncerState
 
 
@@ -114,12 +114,13 @@ class SyncerServer:
         self.fingerprint = F.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
         self.service = SyncerService(self.state, token or wire.run_token(s), self.fingerprint)
         self.service.committer = self.committer
+        threads = data_slots(config) + control_slots(config) + 4
         self.server = grpc.server(
             # Data calls hold at most `data_slots` threads (`syncer.guard`); the rest serve the
             # control calls, which therefore never wait behind a push or a pull.
-            futures.ThreadPoolExecutor(max_workers=data_slots(config) + CONTROL_THREADS),
+            futures.ThreadPoolExecutor(max_workers=threads),
             options=wire.channel_options(s.chunk_bytes),
-            maximum_concurrent_rpcs=4 * (data_slots(config) + CONTROL_THREADS),
+            maximum_concurrent_rpcs=4 * threads,
         )
         add_service(self.service, self.server)
         address = f"{host or s.host}:{port if port >= 0 else s.port}"
@@ -158,5 +159,6 @@ class SyncerServer:
         self._stop.set()
         self.server.stop(grace_s).wait()
         self.service.guard.close()
+        self.service.control.close()
         if self.committer is not None:
             self.committer.stop()

@@ -39,6 +39,11 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 CONTROL_THREADS = 16  # threads the data calls can never take (Register, Heartbeat, Status)
 
 
+def control_slots(config: ExperimentConfig) -> int:
+    """Control calls served at once: 2 per learner, and `CONTROL_THREADS` for the operator."""
+    return 2 * config.num_learners + CONTROL_THREADS
+
+
 def streams_per_learner(config: ExperimentConfig) -> int:
     """`max_streams_per_learner`, or what a learner's link may open at most.
 
@@ -82,6 +87,15 @@ class SyncerService(pb_grpc.SyncerServicer):
             operator_calls=per_learner * (config.num_learners + 1),
             max_bytes=s.max_inflight_bytes or 2 * config.num_learners * largest,
             idle_s=s.stream_idle_s,
+        )
+        # Control calls have threads of their own (`CONTROL_THREADS` beyond M per learner): a
+        # learner may hold 2 at once (a heartbeat and a registration), the run token 8.
+        self.control = Guard(
+            slots=control_slots(config),
+            per_caller=2,
+            operator_calls=8,
+            max_bytes=0,
+            idle_s=min(s.stream_idle_s, 10.0),
         )
         self.malformed = 0  # requests refused before they reached the state
 
@@ -138,8 +152,29 @@ class SyncerService(pb_grpc.SyncerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"learner {learner_id}: register first"
             )
 
-    def Register(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
-        identity = self._authorize(context)
+    def _control_call(self, method: Any) -> Any:
+        """A unary call served as a stream: the secret is checked before the body is read.
+
+        gRPC would otherwise read a unary request's body on the worker thread before any
+        handler code runs, so that a caller without a secret could hold threads by never
+        sending it. The body is read under the control calls' guard (slots, idle cut).
+        """
+
+        def handler(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            identity = self._authorize(context)
+            with self.control.call(identity, context, method.__name__) as activity:
+                try:
+                    raw = next(request_iterator, None)
+                except grpc.RpcError:
+                    if activity.idle_cut:  # cancelled: the client gets CANCELLED
+                        return b""
+                    raise
+                activity.hold()
+                return method(identity, raw, context)
+
+        return handler
+
+    def Register(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
         request = self._parse(pb.RegisterRequest, raw, context)
         self._as(identity, request.learner_id, context)
         if not 0 <= request.learner_id < self.state.config.num_learners:
@@ -161,8 +196,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             num_fragments=len(versions), versions=versions, incarnation=incarnation
         )
 
-    def Heartbeat(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
-        identity = self._authorize(context)
+    def Heartbeat(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
         r = self._parse(pb.HeartbeatRequest, raw, context)
         self._as(identity, r.learner_id, context)
         self._known(r.learner_id, context)
@@ -195,8 +229,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             versions=versions, fastest_step_time_s=self.state.fastest_step_time()
         )
 
-    def Status(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
-        self._authorize(context)
+    def Status(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
+        del identity  # any valid secret may read the status
         self._parse(pb.StatusRequest, raw, context)
         status = self.state.status()
         status["guard"] = {**self.guard.stats(), "malformed": self.malformed}
@@ -254,7 +288,10 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(context, _INVALID, f"base version {h.base_version} is from the future")
         if h.base_version < 0:
             self._refuse(context, _INVALID, f"base version {h.base_version} is negative")
-        activity.reserve(expected)  # the buffer is sized from what the headers declared
+        # The buffer is sized from what the headers declared; compressed tensors are decoded into
+        # arrays of the fragment's own size as well.
+        decoded = sum(x.nbytes for x in frag.specs)
+        activity.reserve(expected + (decoded if decoded != expected else 0))
         payload = memoryview(bytearray(expected))
         at, crc = 0, 0
         for seq, raw in enumerate(itertools.chain([first], request_iterator)):
@@ -266,6 +303,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             at += len(data)
             crc = zlib.crc32(data, crc)
         self.guard.note_peak()
+        activity.hold()  # complete: the merge and the commit wait are the syncer's, not idleness
         if at != expected:
             self._refuse(context, _INVALID, f"payload ended at {at} of its {expected} bytes")
         if crc != h.payload_crc32:
@@ -325,18 +363,25 @@ class SyncerService(pb_grpc.SyncerServicer):
                 self._encoded[key][1:] = [wire.data_chunk(wire.PULL_DATA_TAG, c) for c in tail]
             return self._encoded[key]
 
-    def Pull(self, raw: bytes, context: grpc.ServicerContext):  # noqa: D102
+    def Pull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
         identity = self._authorize(context)
-        request = self._parse(pb.PullRequest, raw, context)
-        if request.learner_id >= 0 or identity != auth.OPERATOR:  # the operator pulls as -1
-            self._as(identity, request.learner_id, context)
-            self._known(request.learner_id, context)
-        self._fragment(request.fragment, context)
-        error = admission.check_wait(request.wait_s)
-        if error:
-            self._refuse(context, _INVALID, error)
-        wait_s = min(request.wait_s, self.syncer_config.rpc_timeout_s)
         with self.guard.call(identity, context, "pull") as activity:
+            try:
+                raw = next(request_iterator, None)
+            except grpc.RpcError:
+                if activity.idle_cut:
+                    return
+                raise
+            activity.touch()
+            request = self._parse(pb.PullRequest, raw, context)
+            if request.learner_id >= 0 or identity != auth.OPERATOR:  # the operator pulls as -1
+                self._as(identity, request.learner_id, context)
+                self._known(request.learner_id, context)
+            self._fragment(request.fragment, context)
+            error = admission.check_wait(request.wait_s)
+            if error:
+                self._refuse(context, _INVALID, error)
+            wait_s = min(request.wait_s, self.syncer_config.rpc_timeout_s)
             activity.hold()  # its wait for a merge is bounded, not idle
             version, values = self.state.wait_for(
                 request.fragment, request.min_version, wait_s, context.is_active
@@ -401,17 +446,23 @@ def _serialize(message: Any) -> bytes:
 def add_service(service: SyncerService, server: grpc.Server) -> None:
     """Registers the handlers; the data calls take and give raw bytes (see `wire.data_chunk`).
 
-    Mirrors the generated `add_SyncerServicer_to_server`, except that requests arrive unparsed
-    (the handler checks the caller's secret before it parses a byte of them) and Pull responses
-    may be pre-encoded bytes, which saves two copies per chunk.
+    Mirrors the generated `add_SyncerServicer_to_server`, except that every request arrives as
+    an unparsed stream (the handler checks the caller's secret from the metadata before it reads
+    a byte of the body; on the wire a unary request is the same) and Pull responses may be
+    pre-encoded bytes, which saves two copies per chunk.
     """
     handlers = {
-        "Register": grpc.unary_unary_rpc_method_handler(service.Register, None, _serialize),
-        "Heartbeat": grpc.unary_unary_rpc_method_handler(service.Heartbeat, None, _serialize),
-        "Status": grpc.unary_unary_rpc_method_handler(service.Status, None, _serialize),
-        "Push": grpc.stream_unary_rpc_method_handler(service.Push, None, _serialize),
-        "Pull": grpc.unary_stream_rpc_method_handler(service.Pull, None, _serialize),
+        name: grpc.stream_unary_rpc_method_handler(
+            service._control_call(getattr(service, name)), None, _serialize
+        )
+        for name in ("Register", "Heartbeat", "Status")
     }
+    handlers.update(
+        {
+            "Push": grpc.stream_unary_rpc_method_handler(service.Push, None, _serialize),
+            "Pull": grpc.stream_stream_rpc_method_handler(service.Pull, None, _serialize),
+        }
+    )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("decoupled_diloco.Syncer", handlers),)
     )

@@ -246,12 +246,6 @@ class SyncerState:
                     f"incarnation {push.incarnation} is not the current one ({info.incarnation}): "
                     "the learner registered again since (replays of old rounds are refused)"
                 )
-            previous = frag.pending.get(push.learner_id)
-            if previous is not None and previous.steps + push.steps > self.config.train_steps:
-                raise PushRefused(
-                    f"steps={push.steps} on top of the pending {previous.steps} pass "
-                    f"train_steps={self.config.train_steps}"
-                )
             if key in self.seen:
                 frag.duplicates += 1
                 return dataclasses.replace(self.seen[key], duplicate=True)
@@ -260,6 +254,12 @@ class SyncerState:
                 frag.late += 1
                 result = PushResult(False, reason="late", version=frag.version)
             else:
+                previous = frag.pending.get(push.learner_id)
+                if previous is not None and previous.steps + push.steps > self.config.train_steps:
+                    raise PushRefused(
+                        f"steps={push.steps} on top of the pending {previous.steps} pass "
+                        f"train_steps={self.config.train_steps}"
+                    )
                 self._add(frag, push)
                 result = PushResult(True, version=frag.version)
             self.seen[key] = result
@@ -406,6 +406,7 @@ class SyncerState:
             frag.version,
         )
         frag.pending, frag.first_push_t, frag.quorum_t = {}, None, None
+        self._changed("refuse", p)  # a restart must not bring the dropped pushes back
 
     def _changed(self, kind: str, *args: Any) -> None:
         """Counts a change a restart must not lose, and logs it to the write-ahead log if any."""

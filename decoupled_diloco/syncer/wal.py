@@ -135,6 +135,17 @@ def _describe(state: SyncerState, kind: str, *args: Any) -> tuple[dict[str, Any]
             else {k: v for k, v in dataclasses.asdict(pending).items() if k != "delta"},
         }
         return header, list(pending.delta) if pending is not None else []
+    if kind == "refuse":  # a refused merge: its pushes are gone; no values are written
+        (p,) = args
+        f = state.fragments[p]
+        dropped = {str(i): x.dropped_pushes for i, x in state.learners.items()}
+        return {
+            "kind": kind,
+            "seq": state.seq,
+            "fragment": p,
+            "refused": f.refused_merges,
+            "dropped": dropped,
+        }, []
     if kind == "merge":
         (p,) = args
         f = state.fragments[p]
@@ -172,6 +183,12 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
         if header["pending"] is not None:
             f.pending[learner] = Push(**header["pending"], delta=arrays)
             f.first_push_t = f.first_push_t or now
+    elif kind == "refuse":
+        f = state.fragments[header["fragment"]]
+        f.pending, f.first_push_t, f.quorum_t = {}, None, None
+        f.refused_merges = header["refused"]
+        for i, dropped in header["dropped"].items():
+            state.learners.setdefault(int(i), LearnerInfo()).dropped_pushes = dropped
     elif kind == "merge":
         f = state.fragments[header["fragment"]]
         n = header["values"]
