@@ -610,3 +610,35 @@ def test_push_bytes_in_flight_are_bounded_and_the_refusal_is_retryable(hp, serve
     assert not retry.retryable(info.value)
     assert guard.stats()["bytes_in_flight"] == 0
     assert_unchanged(server, before, peer)
+
+
+def test_callers_that_never_send_a_body_hold_no_thread(hp, server, peer):
+    """A unary call's body is read only after its secret is checked, under the control guard."""
+    before = snapshot(server.state)
+    stop = threading.Event()
+
+    def silent():
+        yield from ()
+        stop.wait(30)
+
+    stranger = Peer(hp, server.port, "wrong")
+    as0 = Peer(hp, server.port, auth.learner_credential(TOKEN, 0))
+    try:
+        calls = [
+            p.channel.stream_unary(SERVICE + method, request_serializer=None).future(
+                silent(), metadata=p.md
+            )
+            for p, method, n in ((stranger, "Register", 100), (as0, "Heartbeat", 10))
+            for _ in range(n)
+        ]
+        latencies = [peer.status_s() for _ in range(20)]
+        codes = [_code(f) for f in calls]
+    finally:
+        stop.set()
+        stranger.close()
+        as0.close()
+    assert set(codes[:100]) == {grpc.StatusCode.UNAUTHENTICATED}
+    # Learner 0 may hold 2 control calls; the others are refused, the 2 cut when idle.
+    assert set(codes[100:]) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+    assert max(latencies) < 5.0
+    assert_unchanged(server, before, peer)
