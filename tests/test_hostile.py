@@ -19,6 +19,7 @@ import time
 import zlib
 
 import grpc
+import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -537,33 +538,39 @@ def test_a_merge_that_would_poison_the_fragment_is_refused(tmp_path):
     state.wal = wal_lib.WriteAheadLog(tmp_path / "0.log")
     for i in (0, 1):
         state.register(i, "")
-    before = [v.copy() for v in state.fragments[0].values]
+    small_delta = [np.full(s.shape, 1e-3, np.float32) for s in cut[0]]
+    for i in (0, 1):  # an honest round first: version 1, momentum built
+        state.push(Push(i, 0, 0, 0, 4, 1024, small_delta))
+    frag = state.fragments[0]
+    momentum = lambda f: [x for x in jax.tree.leaves(f.opt_state) if np.ndim(x)]  # noqa: E731
+    assert frag.version == 1 and any(np.any(x) for x in momentum(frag))
+    before = [v.copy() for v in frag.values]
     big = [np.full(s.shape, 3e38, np.float32) for s in cut[0]]  # finite, but the merge overflows
     for i in (0, 1):
-        state.push(Push(i, 0, 0, 0, 4, 1024, big))
-    frag = state.fragments[0]
-    assert frag.version == 0 and frag.refused_merges == 1 and not frag.pending
+        state.push(Push(i, 0, 1, 1, 4, 1024, big))
+    assert frag.version == 1 and frag.refused_merges == 1 and not frag.pending
     assert [state.learners[i].dropped_pushes for i in (0, 1)] == [1, 1]
+    assert all(not np.any(x) for x in momentum(frag))  # it started again
     for a, b in zip(before, frag.values, strict=True):
         np.testing.assert_array_equal(a, b)
     state.wal.close()
     state.wal = None
     records = list(wal_lib.read(tmp_path / "0.log"))
     kinds = [header["kind"] for header, _ in records]
-    assert "merge" not in kinds and kinds.count("push") == 2 and kinds[-1] == "refuse"
+    assert kinds.count("merge") == 1 and kinds.count("push") == 4 and kinds[-1] == "refuse"
     # A restart replaying the log does not bring the dropped pushes back.
     replayed = SyncerState(config, cut, values)
     with replayed.lock:
         for header, arrays in records:
             wal_lib.apply(replayed, header, arrays)
     again = replayed.fragments[0]
-    assert not again.pending and again.version == 0 and again.refused_merges == 1
+    assert not again.pending and again.version == 1 and again.refused_merges == 1
     assert [replayed.learners[i].dropped_pushes for i in (0, 1)] == [1, 1]
+    assert all(not np.any(x) for x in momentum(again))
     # An honest round afterwards merges as usual.
-    small_delta = [np.full(s.shape, 1e-3, np.float32) for s in cut[0]]
     for i in (0, 1):
-        state.push(Push(i, 0, 1, 0, 4, 1024, small_delta))
-    assert frag.version == 1 and all(np.isfinite(v).all() for v in frag.values)
+        state.push(Push(i, 0, 2, 1, 4, 1024, small_delta))
+    assert frag.version == 2 and all(np.isfinite(v).all() for v in frag.values)
 
 
 def test_push_bytes_in_flight_are_bounded_and_the_refusal_is_retryable(hp, server, peer):

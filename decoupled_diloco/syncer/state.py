@@ -34,7 +34,8 @@ Defence in depth: the server admits only bounded counters and outer-gradient nor
 (`syncer.admission`); merges weight pushes by token-weight shares capped at
 `max_weight_share`; and a merge's result is checked finite and within its step bound before it
 is installed. A merge that fails the check is refused: its pushes are dropped (counted per
-learner, logged), the version does not move, nothing reaches the write-ahead log.
+learner, logged), the version does not move, the outer momentum starts again, and the log gets
+a record of the refusal but no values.
 """
 
 from __future__ import annotations
@@ -406,6 +407,9 @@ class SyncerState:
             frag.version,
         )
         frag.pending, frag.first_push_t, frag.quorum_t = {}, None, None
+        # The momentum may carry the same harm (it built up towards this round): start it
+        # again, so that the fragment's next honest rounds can merge.
+        frag.opt_state = jax.device_get(self.tx.init(self._tree(frag, frag.values)))
         self._changed("refuse", p)  # a restart must not bring the dropped pushes back
 
     def _changed(self, kind: str, *args: Any) -> None:

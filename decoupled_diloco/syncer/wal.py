@@ -186,6 +186,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
     elif kind == "refuse":
         f = state.fragments[header["fragment"]]
         f.pending, f.first_push_t, f.quorum_t = {}, None, None
+        f.opt_state = jax.device_get(state.tx.init(state._tree(f, f.values)))  # as the refusal
         f.refused_merges = header["refused"]
         for i, dropped in header["dropped"].items():
             state.learners.setdefault(int(i), LearnerInfo()).dropped_pushes = dropped
