@@ -157,6 +157,7 @@ def push_chunks(
     crc=None,
     base=0,
     reorder=False,
+    extra=0,
 ):
     payload = b"".join(np.ascontiguousarray(a, "<f4").tobytes() for a in arrays)
     header = hp.PushHeader(
@@ -168,15 +169,17 @@ def push_chunks(
         tokens=tokens,
         tensors=tensor_headers(hp, specs),
         total_bytes=len(payload),
-        payload_crc32=zlib.crc32(payload) if crc is None else crc,
         incarnation=incarnation,
     )
-    pieces = [payload[i : i + chunk] for i in range(0, len(payload), chunk)]
+    pieces = [payload[i : i + chunk] for i in range(0, len(payload), chunk)] + [
+        b"\0" * 4096
+    ] * extra
     chunks = [hp.PushChunk(header=header, data=pieces[0]).SerializeToString()]
     chunks += [hp.PushChunk(seq=i, data=d).SerializeToString() for i, d in enumerate(pieces[1:], 1)]
     if reorder:
         chunks[1], chunks[2] = chunks[2], chunks[1]
-    return chunks
+    crc = zlib.crc32(b"".join(pieces)) if crc is None else crc  # the last chunk: the checksum
+    return chunks + [hp.PushChunk(seq=len(chunks), payload_crc32=crc).SerializeToString()]
 
 
 @pytest.fixture(scope="module")
@@ -275,11 +278,13 @@ def test_huge_finite_outer_gradients_are_refused_by_norm(hp, server, peer):
         tokens=1024,
         tensors=headers,
         total_bytes=len(payload),
-        payload_crc32=zlib.crc32(payload),
         incarnation=peer.inc[0],
     )
-    chunk = hp.PushChunk(header=header, data=payload).SerializeToString()
-    details = refused(lambda: peer.push_raw([chunk]), grpc.StatusCode.INVALID_ARGUMENT)
+    chunks = [
+        hp.PushChunk(header=header, data=payload).SerializeToString(),
+        hp.PushChunk(seq=1, payload_crc32=zlib.crc32(payload)).SerializeToString(),
+    ]
+    details = refused(lambda: peer.push_raw(chunks), grpc.StatusCode.INVALID_ARGUMENT)
     assert "norm" in details or "finite" in details or "scale" in details
     assert_unchanged(server, before, peer)
 
@@ -399,11 +404,8 @@ def _code(future):
 def test_payload_past_its_declared_size_is_refused(hp, server, peer):
     specs = server.state.fragments[0].specs
     before = snapshot(server.state)
-    chunks = peer.chunks(specs, small(specs), rnd=200)
-    extra = [
-        hp.PushChunk(seq=len(chunks) + i, data=b"\0" * 4096).SerializeToString() for i in range(50)
-    ]
-    details = refused(lambda: peer.push_raw(chunks + extra), grpc.StatusCode.INVALID_ARGUMENT)
+    chunks = peer.chunks(specs, small(specs), rnd=200, extra=50)
+    details = refused(lambda: peer.push_raw(chunks), grpc.StatusCode.INVALID_ARGUMENT)
     assert "declared" in details
     assert_unchanged(server, before, peer)
 
@@ -481,6 +483,9 @@ def test_reordered_chunks_and_bad_checksums_are_refused(hp, server, peer):
     assert "seq" in refused(lambda: peer.push_raw(chunks), grpc.StatusCode.INVALID_ARGUMENT)
     chunks = peer.chunks(specs, small(specs), rnd=501, crc=1234)
     assert "checksum" in refused(lambda: peer.push_raw(chunks), grpc.StatusCode.INVALID_ARGUMENT)
+    unsigned = peer.chunks(specs, small(specs), rnd=502)[:-1]  # no checksum chunk at the end
+    details = refused(lambda: peer.push_raw(unsigned), grpc.StatusCode.INVALID_ARGUMENT)
+    assert "payload_crc32" in details
     assert_unchanged(server, before, peer)
 
 

@@ -150,7 +150,7 @@ def _chunks(
     header = pb.PushHeader(
         learner_id=learner, fragment=0, round=rnd, steps=steps, tokens=tokens,
         tensors=_headers(pb, specs), total_bytes=len(payload),
-        payload_crc32=zlib.crc32(payload), incarnation=inc,
+        incarnation=inc,
     )  # fmt: skip
     pieces = [payload[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
     out = [pb.PushChunk(header=header, data=pieces[0]).SerializeToString()]
@@ -161,7 +161,8 @@ def _chunks(
     ]
     if reorder and len(out) > 2:
         out[1], out[2] = out[2], out[1]
-    return out
+    crc = zlib.crc32(payload + b"\0" * ((1 << 20) * extra))
+    return out + [pb.PushChunk(seq=len(out), payload_crc32=crc).SerializeToString()]
 
 
 def run(out: pathlib.Path) -> None:
@@ -274,13 +275,16 @@ def run(out: pathlib.Path) -> None:
             payload = b"".join(parts)
             header = pb.PushHeader(
                 learner_id=0, fragment=0, round=2, steps=4, tokens=4096, tensors=headers,
-                total_bytes=len(payload), payload_crc32=zlib.crc32(payload), incarnation=inc[0],
+                total_bytes=len(payload), incarnation=inc[0],
             )  # fmt: skip
             chunks = [payload[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)]
             msgs = [pb.PushChunk(header=header, data=chunks[0]).SerializeToString()]
             msgs += [
                 pb.PushChunk(seq=i, data=c).SerializeToString() for i, c in enumerate(chunks[1:], 1)
             ]
+            msgs.append(
+                pb.PushChunk(seq=len(msgs), payload_crc32=zlib.crc32(payload)).SerializeToString()
+            )
             return _code(lambda: a.push(msgs))
 
         attack("2b. int8 block scales of 3e38", int8_scale)

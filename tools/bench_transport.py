@@ -5,8 +5,8 @@
 Both servers run as separate processes on 127.0.0.1; the client is this process. The raw
 baseline is a bare chunked gRPC stream (1 MiB chunks of opaque bytes, nothing checked). The
 syncer numbers are the real calls a learner makes: `Push` of every fragment (headers checked,
-bytes reassembled, finiteness checked; quorum 2 with one pusher, so nothing merges) and `Pull`
-of every fragment. Target (issue 3): syncer ≥ 0.5 × raw, each direction.
+bytes reassembled, chunk order, CRC-32, finiteness and norm checked; quorum 2 with one pusher,
+so nothing merges) and `Pull` of every fragment. Target (issue 3): syncer ≥ 0.5 × raw, each direction.
 """
 
 from __future__ import annotations
@@ -219,7 +219,9 @@ def main() -> None:
             "",
             "The raw baseline only counts the bytes it receives; the syncer's pull also "
             "reassembles them into arrays (one copy of the payload), and its push also checks "
-            "headers, byte counts and finiteness.",
+            "headers, byte counts, chunk order, the CRC-32 of the payload, finiteness and the "
+            "outer-gradient norm (issue 18; the push was 1024 MB/s, ratio 0.70, before those "
+            "checks, on 2026-12-01 10:29).",
             "",
         ]
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -117,7 +118,9 @@ class SyncerClient:
         """
 
         def stream() -> Iterator[bytes]:
+            crc, i = 0, 0  # the checksum is computed as the chunks go, and sent last
             for i, piece in enumerate(wire.chunk_arrays(arrays, self.config.chunk_bytes)):
+                crc = zlib.crc32(piece, crc)
                 if i == 0:
                     chunk = pb.PushChunk(header=header, data=piece).SerializeToString()
                 else:
@@ -126,6 +129,7 @@ class SyncerClient:
                 if sent is not None:
                     sent[0] += len(chunk)
                 yield chunk
+            yield pb.PushChunk(seq=i + 1, payload_crc32=crc).SerializeToString()
 
         return stream
 
@@ -168,7 +172,6 @@ class SyncerClient:
             tokens=tokens,
             tensors=wire.headers(specs) if tensors is None else tensors,
             total_bytes=sum(np.asarray(a).nbytes for a in arrays),
-            payload_crc32=wire.crc32(arrays),
             incarnation=self.incarnations.get(learner_id, 0),
         )
         sent = [0]

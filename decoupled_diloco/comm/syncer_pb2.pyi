@@ -95,7 +95,7 @@ class StatusReply(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes", "payload_crc32", "incarnation")
+    __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes", "incarnation")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +104,6 @@ class PushHeader(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fragment: int
@@ -114,19 +113,20 @@ class PushHeader(_message.Message):
     tokens: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     total_bytes: int
-    payload_crc32: int
     incarnation: int
-    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("header", "data", "seq")
+    __slots__ = ("header", "data", "seq", "payload_crc32")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     data: bytes
     seq: int
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., seq: _Optional[int] = ...) -> None: ...
+    payload_crc32: int
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., seq: _Optional[int] = ..., payload_crc32: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "duplicate", "reason", "version")

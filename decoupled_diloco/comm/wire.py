@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -142,7 +141,8 @@ def parse_data_chunk(tag: int, raw: bytes) -> memoryview | None:
 
 def push_data_chunk(seq: int, data: bytes) -> bytes:
     """A PushChunk with only `seq` and `data` (as protobuf encodes it, one copy)."""
-    return b"".join((bytes([PUSH_SEQ_TAG]), _varint(seq), data_chunk(PUSH_DATA_TAG, data)))
+    head = bytes([PUSH_SEQ_TAG]) + _varint(seq) + bytes([PUSH_DATA_TAG]) + _varint(len(data))
+    return b"".join((head, data))
 
 
 def parse_push_data_chunk(raw: bytes) -> tuple[int, memoryview] | None:
@@ -164,14 +164,6 @@ def _le_bytes(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))).cast(
         "B"
     )
-
-
-def crc32(arrays: Sequence[np.ndarray]) -> int:
-    """The zlib CRC-32 of the arrays' bytes as `chunk_arrays` sends them (`payload_crc32`)."""
-    crc = 0
-    for a in arrays:
-        crc = zlib.crc32(_le_bytes(np.asarray(a)), crc)
-    return crc
 
 
 def chunk_arrays(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[bytes]:

@@ -292,11 +292,17 @@ class SyncerService(pb_grpc.SyncerServicer):
         # arrays of the fragment's own size as well.
         decoded = sum(x.nbytes for x in frag.specs)
         activity.reserve(expected + (decoded if decoded != expected else 0))
-        payload = memoryview(bytearray(expected))
-        at, crc = 0, 0
+        payload = memoryview(np.empty(expected, np.uint8))  # (no zero fill: every byte is written)
+        at, crc, claimed = 0, 0, None
         for seq, raw in enumerate(itertools.chain([first], request_iterator)):
             activity.touch()
-            data = first.data if seq == 0 else self._data_chunk(raw, seq, context)
+            if claimed is not None:
+                self._refuse(context, _INVALID, f"chunk {seq} after the checksum chunk")
+            if seq == 0:
+                data = first.data
+                claimed = first.payload_crc32 if first.HasField("payload_crc32") else None
+            else:
+                data, claimed = self._data_chunk(raw, seq, context)
             if at + len(data) > expected:
                 self._refuse(context, _INVALID, f"payload passed its declared {expected} bytes")
             payload[at : at + len(data)] = data
@@ -306,7 +312,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         activity.hold()  # complete: the merge and the commit wait are the syncer's, not idleness
         if at != expected:
             self._refuse(context, _INVALID, f"payload ended at {at} of its {expected} bytes")
-        if crc != h.payload_crc32:
+        if claimed is None:
+            self._refuse(context, _INVALID, "the last chunk must carry payload_crc32")
+        if crc != claimed:
             self._refuse(context, _INVALID, "payload checksum (payload_crc32) does not match")
         try:  # decodes (and checks) every tensor before the state sees any of them
             delta = wire.decode_payload(payload, h.tensors, frag.specs)
@@ -337,19 +345,23 @@ class SyncerService(pb_grpc.SyncerServicer):
             version=result.version,
         )
 
-    def _data_chunk(self, raw: bytes, seq: int, context: grpc.ServicerContext) -> memoryview:
-        """The data of push chunk number `seq`, checked to be that chunk and nothing else."""
-        parsed = wire.parse_push_data_chunk(raw)
-        if parsed is None:
+    def _data_chunk(
+        self, raw: bytes, seq: int, context: grpc.ServicerContext
+    ) -> tuple[memoryview, int | None]:
+        """Push chunk number `seq`: its data, and the checksum if it is the last chunk."""
+        parsed = wire.parse_push_data_chunk(raw)  # the common case, without a protobuf copy
+        if parsed is not None:
+            got, data = parsed
+            claimed = None
+        else:
             chunk = self._parse(pb.PushChunk, raw, context)
             if chunk.HasField("header"):
                 self._refuse(context, _INVALID, f"chunk {seq} carries a second header")
-            parsed = chunk.seq, memoryview(chunk.data)
-        if parsed[0] != seq:
-            self._refuse(
-                context, _INVALID, f"chunk {seq} arrived as seq {parsed[0]} (reordered or lost)"
-            )
-        return parsed[1]
+            got, data = chunk.seq, memoryview(chunk.data)
+            claimed = chunk.payload_crc32 if chunk.HasField("payload_crc32") else None
+        if got != seq:
+            self._refuse(context, _INVALID, f"chunk {seq} arrived as seq {got} (reordered or lost)")
+        return data, claimed
 
     def _payload(self, p: int, version: int, values: list[np.ndarray]) -> list[bytes]:
         """The chunks of one fragment version, cut once and shared by every learner's pull."""
