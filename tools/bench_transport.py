@@ -6,7 +6,8 @@ Both servers run as separate processes on 127.0.0.1; the client is this process.
 baseline is a bare chunked gRPC stream (1 MiB chunks of opaque bytes, nothing checked). The
 syncer numbers are the real calls a learner makes: `Push` of every fragment (headers checked,
 bytes reassembled, chunk order, CRC-32, finiteness and norm checked; quorum 2 with one pusher,
-so nothing merges) and `Pull` of every fragment. Target (issue 3): syncer ≥ 0.5 × raw, each direction.
+so nothing merges) and `Pull` of every fragment. Target (issue 3): syncer ≥ 0.5 × raw, each
+direction.
 """
 
 from __future__ import annotations
