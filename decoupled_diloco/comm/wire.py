@@ -121,6 +121,18 @@ def data_chunk(tag: int, data: bytes) -> bytes:
     return b"".join((bytes([tag]), _varint(len(data)), data))
 
 
+def _read_varint(raw: bytes | memoryview, pos: int) -> tuple[int, int] | None:
+    """(value, position after it) of the varint at `pos`, or None if it is cut short."""
+    value, shift = 0, 0
+    while pos < len(raw) and shift < 64:
+        byte = raw[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
+    return None
+
+
 def parse_data_chunk(tag: int, raw: bytes) -> memoryview | None:
     """The `data` of a data-only chunk as a view on `raw`, or None if `raw` is anything else.
 
@@ -129,14 +141,10 @@ def parse_data_chunk(tag: int, raw: bytes) -> memoryview | None:
     """
     if len(raw) < 2 or raw[0] != tag:
         return None
-    length, shift, pos = 0, 0, 1
-    while pos < len(raw) and shift < 64:
-        byte = raw[pos]
-        length |= (byte & 0x7F) << shift
-        pos, shift = pos + 1, shift + 7
-        if not byte & 0x80:
-            return memoryview(raw)[pos:] if pos + length == len(raw) else None
-    return None
+    read = _read_varint(raw, 1)
+    if read is None or read[1] + read[0] != len(raw):
+        return None
+    return memoryview(raw)[read[1] :]
 
 
 def push_data_chunk(seq: int, data: bytes) -> bytes:
@@ -149,15 +157,11 @@ def parse_push_data_chunk(raw: bytes) -> tuple[int, memoryview] | None:
     """(seq, data view) of a chunk `push_data_chunk` wrote, or None for any other encoding."""
     if len(raw) < 3 or raw[0] != PUSH_SEQ_TAG:
         return None
-    seq, shift, pos = 0, 0, 1
-    while pos < len(raw) and shift < 64:
-        byte = raw[pos]
-        seq |= (byte & 0x7F) << shift
-        pos, shift = pos + 1, shift + 7
-        if not byte & 0x80:
-            view = parse_data_chunk(PUSH_DATA_TAG, memoryview(raw)[pos:])
-            return None if view is None else (seq, view)
-    return None
+    read = _read_varint(raw, 1)
+    if read is None:
+        return None
+    view = parse_data_chunk(PUSH_DATA_TAG, memoryview(raw)[read[1] :])
+    return None if view is None else (read[0], view)
 
 
 def _le_bytes(a: np.ndarray) -> memoryview:
