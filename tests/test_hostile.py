@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from decoupled_diloco.comm import auth
 from decoupled_diloco.syncer.server import SyncerServer
-from tests.conftest import tiny_config
+from tests.test_syncer import _config as syncer_config
 
 TOKEN = "hostile-test-token"
 SERVICE = "/decoupled_diloco.Syncer/"
@@ -55,17 +55,9 @@ def hp(tmp_path_factory):
 
 
 def _config(**overrides):
-    base = {
-        "decoupled.fragments": 2,
-        "decoupled.quorum": 2,
-        "decoupled.syncer.max_grace_s": 0.0,
-        "decoupled.syncer.max_push_bytes": 200_000,
-        "decoupled.syncer.stream_idle_s": 1.0,
-        "decoupled.syncer.rpc_timeout_s": 5.0,
-        "outer.merge": "rda",
-    }
-    base.update(overrides)
-    return tiny_config(mode="decoupled", **base)
+    """test_syncer's syncer, with short idle cuts and waits."""
+    timing = {"decoupled.syncer.stream_idle_s": 1.0, "decoupled.syncer.rpc_timeout_s": 5.0}
+    return syncer_config(**{**timing, **overrides})
 
 
 class Peer:

@@ -60,6 +60,7 @@ class Activity:
                 busy = g.bytes_in_flight
             else:
                 g.bytes_in_flight += nbytes
+                g.peak_bytes = max(g.peak_bytes, g.bytes_in_flight)
                 self.reserved += nbytes
                 return
         logging.log_every_n_seconds(
@@ -149,13 +150,7 @@ class Guard:
                 self.by_caller[caller] -= 1
                 if not self.by_caller[caller]:
                     del self.by_caller[caller]
-                self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
                 self.bytes_in_flight -= activity.reserved
-
-    def note_peak(self) -> None:
-        """Records the bytes in flight now as a candidate peak (after a buffer is filled)."""
-        with self.lock:
-            self.peak_bytes = max(self.peak_bytes, self.bytes_in_flight)
 
     def _watch(self) -> None:
         period = max(min(self.idle_s / 4, 1.0), 0.01)

@@ -308,7 +308,6 @@ class SyncerService(pb_grpc.SyncerServicer):
             payload[at : at + len(data)] = data
             at += len(data)
             crc = zlib.crc32(data, crc)
-        self.guard.note_peak()
         activity.hold()  # complete: the merge and the commit wait are the syncer's, not idleness
         if at != expected:
             self._refuse(context, _INVALID, f"payload ended at {at} of its {expected} bytes")
