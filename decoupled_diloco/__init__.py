@@ -6,6 +6,11 @@ The public surface, importable from Colab and research code:
     config = dd.ExperimentConfig(mode="diloco", num_learners=2, inner_steps=50)
     result = dd.train_and_evaluate(config, workdir="runs/mine")
 
+Your own model, loss, optimizer and data (docs/byom.md):
+
+    task = dd.Task.from_nnx(build_model=lambda rngs: CNN(rngs=rngs), loss_fn=my_loss)
+    result = dd.train_and_evaluate(config, workdir, task=task, inner_optimizer=tx, dataset=data)
+
 Everything else stays importable from its module (the package's layout is in docs/DESIGN.md).
 """
 
@@ -37,10 +42,13 @@ _EXPORTS = {
     "from_config_dict": "decoupled_diloco.config",
     "as_config_dict": "decoupled_diloco.config",
     "validate": "decoupled_diloco.config",
-    # What is trained: the task, its islands, the synchronous trainers.
+    # What is trained: the task, its data, its islands, the synchronous trainers.
     "Task": "decoupled_diloco.tasks",
     "make_task": "decoupled_diloco.tasks",
+    "Dataset": "decoupled_diloco.data.dataset",
+    "make_inner_optimizer": "decoupled_diloco.optim",
     "Island": "decoupled_diloco.island",
+    "DiLoCoOuter": "decoupled_diloco.trainers",
     "DiLoCoTrainer": "decoupled_diloco.trainers",
     "DataParallelTrainer": "decoupled_diloco.trainers",
     # The decoupled processes, in one process or many.

@@ -8,8 +8,9 @@ and `jax.set_mesh` is only entered inside its methods.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -20,16 +21,48 @@ from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.models.mesh import make_island_mesh
-from decoupled_diloco.models.transformer import Params
 from decoupled_diloco.optim import make_inner_optimizer
-from decoupled_diloco.tasks import Batch, make_task
+from decoupled_diloco.tasks import Batch, Task, make_task
+
+Params = Any  # the synced tree: a pure dict of the model's parameters (and synced statistics)
 
 
 class InnerState(NamedTuple):
-    """What an island's inner step updates: parameters and inner optimizer state."""
+    """What an island's inner step updates.
+
+    Attributes:
+      params: the synced tree (`Task.split`): parameters, and batch statistics under
+        `state_policy="average"`; what outer rounds merge.
+      opt_state: the inner optimizer's state, over the `nnx.Param` leaves of `params`.
+      local: state kept on this learner (RNG state; batch statistics under "local").
+    """
 
     params: Params
     opt_state: optax.OptState
+    local: Any = {}
+
+
+def select(tree: Any, mask: Any, keep: bool) -> Any:
+    """The nested dict of `tree`'s leaves whose `mask` leaf is `keep` (empty dicts dropped)."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            part = select(value, mask[key], keep)
+            if part:
+                out[key] = part
+        elif bool(mask[key]) == keep:
+            out[key] = value
+    return out
+
+
+def combine(a: Any, b: Any) -> Any:
+    """Two nested dicts with disjoint leaves as one (the inverse of the two `select`s)."""
+    out = dict(a)
+    for key, value in b.items():
+        out[key] = combine(out[key], value) if key in out else value
+    return out
 
 
 class Island:
@@ -40,6 +73,8 @@ class Island:
       devices: this island's devices; must be `mesh_shape[0] * mesh_shape[1]` of them.
       mesh_shape: (`data`, `model`) axis sizes; defaults to `config.mesh.shape`.
       batch_size: sequences per inner step; defaults to `config.data.batch_size`.
+      task: the model, loss and metrics (default: `make_task(config)`).
+      tx: the inner optimizer (default: the task's, else `config.optim`'s).
     """
 
     def __init__(
@@ -48,44 +83,50 @@ class Island:
         devices: Sequence[jax.Device],
         mesh_shape: tuple[int, int] | None = None,
         batch_size: int | None = None,
+        task: Task | None = None,
+        tx: optax.GradientTransformation | None = None,
     ):
         self.config = config
         self.mesh = make_island_mesh(mesh_shape or config.mesh.shape, devices)
         self.batch_size = batch_size or config.data.batch_size
-        self.tx = make_inner_optimizer(config)
-        # The model, its losses and the batch layout come from the task (`model.kind`).
-        self.task = make_task(config)
+        # The model, its losses and the batch layout come from the task.
+        self.task = task or make_task(config)
+        self.tx = tx or self.task.inner_optimizer or make_inner_optimizer(config)
         with jax.set_mesh(self.mesh):
             abstract_model = nnx.eval_shape(lambda: self.task.build_model(nnx.Rngs(0)))
-        self.graphdef, abstract_state = nnx.split(abstract_model, nnx.Param)
-        specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+        self.graphdef, synced_state, _ = self.task.split_states(abstract_model)
+        _, abstract_synced, abstract_local = self.task.split(abstract_model)
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(synced_state))
         self.replicated = NamedSharding(self.mesh, P())
         self.param_sharding = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
         )
-        self.abstract_params = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            nnx.to_pure_dict(abstract_state),
-            self.param_sharding,
+        placed = functools.partial(
+            jax.tree.map, lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         )
-        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+        self.abstract_params = placed(abstract_synced, self.param_sharding)
+        # The inner optimizer steps the parameters only (not synced batch statistics).
+        self.trainable_mask = self.task.trainable()
+        trainable_sharding = select(self.param_sharding, self.trainable_mask, True)
+        abstract_opt = jax.eval_shape(
+            self.tx.init, select(self.abstract_params, self.trainable_mask, True)
+        )
         opt_sharding = optax.tree_map_params(
             self.tx,
             lambda _, sharding: sharding,
             abstract_opt,
-            self.param_sharding,
+            trainable_sharding,
             transform_non_params=lambda _: self.replicated,
         )
-        self.state_sharding = InnerState(self.param_sharding, opt_sharding)
+        local_sharding = jax.tree.map(lambda _: self.replicated, abstract_local)
+        self.state_sharding = InnerState(self.param_sharding, opt_sharding, local_sharding)
         # Shapes, dtypes and shardings of the inner state: the target for checkpoint restores.
         self.abstract_state = InnerState(
             self.abstract_params,
-            jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                abstract_opt,
-                opt_sharding,
-            ),
+            placed(abstract_opt, opt_sharding),
+            placed(abstract_local, local_sharding),
         )
+        self._fresh_local: Any = None  # the local state of a fresh model (see `evaluate_metrics`)
         self.batch_sharding = NamedSharding(self.mesh, self.task.batch_spec)
         # Held-out batches keep the per-learner batch size in every mode, so on a wide data
         # axis (dp over M learners) they may not split evenly: then each device gets all rows.
@@ -113,25 +154,34 @@ class Island:
         )
         self._eval = jax.jit(
             self._eval_fn,
-            in_shardings=(self.param_sharding, self.eval_sharding),
+            in_shardings=(self.param_sharding, local_sharding, self.eval_sharding),
             out_shardings=self.replicated,
         )
 
     def _init_fn(self, key: jax.Array) -> InnerState:
-        model = self.task.build_model(nnx.Rngs(key))
-        params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
-        return InnerState(params, self.tx.init(params))
+        _, synced, local = self.task.split(self.task.build_model(nnx.Rngs(key)))
+        return InnerState(synced, self.tx.init(select(synced, self.trainable_mask, True)), local)
 
     def _step_fn(self, state: InnerState, batch: Batch) -> tuple[InnerState, jax.Array]:
         self.trace_count += 1  # Runs only while tracing: counts compilations of the step.
-        loss, grads = jax.value_and_grad(self.task.train_loss, argnums=1)(
-            self.graphdef, state.params, batch
-        )
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-        return InnerState(optax.apply_updates(state.params, updates), opt_state), loss
+        trainable = select(state.params, self.trainable_mask, True)
+        fixed = select(state.params, self.trainable_mask, False)
 
-    def _eval_fn(self, params: Params, batch: Batch) -> dict[str, jax.Array]:
-        return self.task.eval_metrics(self.graphdef, params, batch)
+        def loss_of(trainable: Params) -> tuple[jax.Array, tuple]:
+            loss, (synced, local, _) = self.task.train_loss(
+                self.graphdef, combine(trainable, fixed), state.local, batch
+            )
+            return loss, (synced, local)
+
+        (loss, (synced, local)), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+        updates, opt_state = self.tx.update(grads, state.opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        # Statistics the forward pass updated (BatchNorm) are kept; gradients never move them.
+        params = combine(trainable, select(synced, self.trainable_mask, False))
+        return InnerState(params, opt_state, local), loss
+
+    def _eval_fn(self, params: Params, local: Any, batch: Batch) -> dict[str, jax.Array]:
+        return self.task.eval_metrics(self.graphdef, params, local, batch)
 
     def init(self, seed: int) -> InnerState:
         """Fresh parameters (same for the same seed on any mesh) and inner optimizer state."""
@@ -161,13 +211,28 @@ class Island:
         """Mean loss of `params` over fixed host `batches`."""
         return self.evaluate_metrics(params, batches)["loss"]
 
-    def evaluate_metrics(self, params: Params, batches: Sequence[Batch]) -> dict[str, float]:
-        """Mean of each evaluation metric (`loss`, and `accuracy` for classification)."""
+    def evaluate_metrics(
+        self, params: Params, batches: Sequence[Batch], local: Any = None
+    ) -> dict[str, float]:
+        """Mean of each evaluation metric over `batches` (`loss`, and the task's others).
+
+        `local`: the learner-kept state to evaluate with (e.g. a learner's batch statistics
+        under `state_policy="local"`); None: a freshly initialised model's.
+        """
+        if local is None:
+            if self._fresh_local is None:
+                self._fresh_local = self.init(self.config.seed).local if jax.tree.leaves(
+                    self.abstract_state.local
+                ) else {}
+            local = self._fresh_local
         # Wait for the step that produced `params` first: on XLA:CPU, two multi-device programs
         # whose collectives interleave can deadlock in the all-reduce rendezvous (seen as an
         # abort after 40 s when a dp eval was dispatched behind an in-flight train step).
         params = jax.block_until_ready(self.put_params(params))
         with jax.set_mesh(self.mesh):
-            results = [self._eval(params, jax.device_put(b, self.eval_sharding)) for b in batches]
+            local = jax.device_put(local, self.state_sharding.local)
+            results = [
+                self._eval(params, local, jax.device_put(b, self.eval_sharding)) for b in batches
+            ]
         results = jax.device_get(results)
         return {k: float(np.mean([r[k] for r in results])) for k in results[0]}

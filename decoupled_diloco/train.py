@@ -15,17 +15,19 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import tasks
 from decoupled_diloco.core.compression import ring_allreduce_bytes
-from decoupled_diloco.data import text as data_lib
-from decoupled_diloco.models.transformer import Params, count_params
+from decoupled_diloco.data import dataset as dataset_lib
+from decoupled_diloco.models.transformer import count_params
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.obs.metrics import MetricsWriter, Progress, write_summary
 from decoupled_diloco.trainers import DataParallelTrainer, DiLoCoTrainer
 
 TRAINERS = {"dp": DataParallelTrainer, "diloco": DiLoCoTrainer}
+Params = Any
 
 
 @dataclasses.dataclass
@@ -38,22 +40,74 @@ class RunResult:
 
 def build_trainer(
     config: config_lib.ExperimentConfig,
-    corpus: data_lib.Corpus | tasks.Dataset | Any,
+    dataset: Any,
     devices: Sequence[jax.Device],
     checkpoint_dir: pathlib.Path | None = None,
     controls: Sequence[Any] = (),
+    task: tasks.Task | None = None,
+    tx: optax.GradientTransformation | None = None,
 ) -> DataParallelTrainer | DiLoCoTrainer:
     """The trainer for `config.mode`, with one data shard per learner.
 
-    `corpus` is the task's data: a text `Corpus`, an image set or a `tasks.Dataset`;
-    `controls`: per learner, live fault controls (`chaos.faults.Controls`) or None.
+    Args:
+      config: the experiment.
+      dataset: a `data.dataset.Dataset` (or a text `Corpus` or image set; None: the task's).
+      devices: every learner's devices.
+      checkpoint_dir: where checkpoints go (None: none).
+      controls: per learner, live fault controls (`chaos.faults.Controls`) or None.
+      task: the model, loss and metrics (default: `make_task(config)`).
+      tx: the inner optimizer (default: the task's, else `config.optim`'s).
+
+    Raises:
+      ConfigError: checkpoints are on and the dataset's iterators cannot be checkpointed.
     """
-    dataset = tasks.load_dataset(config, corpus)
+    task = task or tasks.make_task(config)
+    dataset = dataset_lib.load_dataset(config, dataset, task)
     iterators = [
         dataset.train_iterator(config.data.batch_size, learner_id, config.num_learners, config.seed)
         for learner_id in range(config.num_learners)
     ]
-    return TRAINERS[config.mode](config, devices, iterators, checkpoint_dir, controls)
+    if checkpoint_dir is not None:
+        dataset_lib.check_checkpointable(iterators[0], config)
+    return TRAINERS[config.mode](config, devices, iterators, checkpoint_dir, controls, task, tx)
+
+
+def _user_task(
+    config: config_lib.ExperimentConfig,
+    task: tasks.Task | None,
+    inner_optimizer: optax.GradientTransformation | None,
+    dataset: Any,
+) -> tuple[config_lib.ExperimentConfig, tasks.Task]:
+    """The run's config and task: a task given here travels to other processes by import path.
+
+    Raises:
+      ConfigError: in a mode that starts processes (decoupled, or under faults), a task
+        without an import path, or a dataset or optimizer given only as a Python object.
+    """
+    if task is not None and task.import_path and not task.import_path.startswith("builtin:"):
+        config = config_lib.replace(config, task=task.import_path)
+    processes = config.mode == "decoupled" or bool(config.chaos)
+    if processes and task is not None and not config.task:
+        raise config_lib.ConfigError(
+            f"train_and_evaluate(task=...): mode {config.mode!r}"
+            f"{' under faults' if config.chaos else ''} starts processes that must build the "
+            "same task, and this one has no import path; put a function `make_task(config) -> "
+            "dd.Task` in an importable module and pass config.task='mypkg.tasks:make_task' "
+            "(or Task.from_nnx(..., import_path='mypkg.tasks:make_task'))"
+        )
+    if processes and (inner_optimizer is not None or dataset is not None):
+        raise config_lib.ConfigError(
+            f"train_and_evaluate: mode {config.mode!r}"
+            f"{' under faults' if config.chaos else ''} starts processes, which cannot receive "
+            "Python objects: give the dataset and the inner optimizer to the task that "
+            "config.task builds (Task.from_nnx(..., dataset=..., inner_optimizer=...))"
+        )
+    task = task or tasks.make_task(config)
+    if inner_optimizer is not None:
+        task = dataclasses.replace(task, inner_optimizer=inner_optimizer)
+    if dataset is not None:
+        task = dataclasses.replace(task, dataset=dataset)
+    return config, task
 
 
 def train_and_evaluate(
@@ -61,10 +115,19 @@ def train_and_evaluate(
     workdir: str | pathlib.Path | None,
     devices: Sequence[jax.Device] | None = None,
     stop_after: int | None = None,
-    corpus: data_lib.Corpus | None = None,
+    corpus: Any = None,
     supervised_controls: Sequence[Any] | None = None,
+    *,
+    task: tasks.Task | None = None,
+    inner_optimizer: optax.GradientTransformation | None = None,
+    dataset: Any = None,
 ) -> RunResult:
     """Trains `config` in `workdir`, resuming from its newest readable checkpoint.
+
+    Any model trains, in every mode (docs/byom.md):
+
+        task = dd.Task.from_nnx(build_model=lambda rngs: CNN(rngs=rngs), loss_fn=my_loss)
+        dd.train_and_evaluate(config, workdir, task=task, inner_optimizer=tx, dataset=data)
 
     Args:
       config: the experiment; validated (including the device count) before anything compiles.
@@ -75,15 +138,22 @@ def train_and_evaluate(
       supervised_controls: set in the child process a fault supervisor runs (see
         `local.synchronous.run_synchronous`): each learner's live fault controls. None: this
         process supervises itself when `config.chaos` names a schedule.
+      task: what is trained (`dd.Task`; default: `config.task`'s, or the built-in model of
+        `config.model.kind`). In decoupled mode it must have an import path.
+      inner_optimizer: any optax `GradientTransformation` (default: the task's, else
+        `config.optim`'s); in one process only.
+      dataset: a `data.dataset.Dataset` (default: the task's, else `config.data`'s); in one
+        process only.
 
     Returns:
       The summary and the final global parameters (host arrays).
     """
+    config_lib.validate(config)
+    config, task = _user_task(config, task, inner_optimizer, dataset)
     if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
         from decoupled_diloco.local.launch import run_decoupled
 
-        config_lib.validate(config)
-        summary, params = run_decoupled(config, workdir, corpus=corpus)
+        summary, params = run_decoupled(config, workdir, corpus=corpus, task=task)
         return RunResult(summary=summary, params=params)
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(config, device_count=len(devices))
@@ -96,25 +166,29 @@ def train_and_evaluate(
         from decoupled_diloco.local.synchronous import run_synchronous
 
         summary = run_synchronous(config, pathlib.Path(workdir))
-        params = _final_params(config, devices, corpus, pathlib.Path(workdir))
+        params = _final_params(config, devices, corpus, pathlib.Path(workdir), task)
         return RunResult(summary=summary, params=params)
     t_start = time.perf_counter()
     t_wall = time.time()
-    dataset = tasks.load_dataset(config, corpus)
-    val_batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
+    data = dataset_lib.load_dataset(config, corpus, task)
+    val_batches = data.validation_batches(config.data.batch_size, config.eval.batches)
     workdir = pathlib.Path(workdir) if workdir is not None else None
     checkpoint_dir = workdir / "checkpoints" if workdir and config.checkpoint.every else None
-    trainer = build_trainer(config, dataset, devices, checkpoint_dir, supervised_controls or ())
+    trainer = build_trainer(
+        config, data, devices, checkpoint_dir, supervised_controls or (), task, task.inner_optimizer
+    )
     timeline = _timeline(config, workdir, fresh=not supervised, t_start=t_wall)
     _mark(timeline, "restoring")
     start_step = trainer.restore() if checkpoint_dir else 0
     end_step = min(config.train_steps, stop_after or config.train_steps)
     writer = MetricsWriter(workdir, resume_step=start_step) if workdir else None
     progress = Progress(config.mode, config.train_steps, start_step)
-    tokens_per_step = config.num_learners * config.tokens_per_step
+    tokens_per_step = config.num_learners * task.tokens_per_step(config.data.batch_size)
     if start_step:
         print(f"[{config.mode}] resumed from checkpoint at step {start_step}", flush=True)
-    evaluate = trainer.islands[0].evaluate_metrics
+
+    def evaluate(params: Params, batches: Sequence[Any]) -> dict[str, float]:
+        return trainer.islands[0].evaluate_metrics(params, batches, trainer.eval_local())
     # The global model changes only at syncs (every step in dp, every H in diloco): evaluate at
     # the first sync at or after each multiple of `eval.every`, decided from the step alone so
     # a resumed run evaluates where an uninterrupted one would; always at the last step.
@@ -143,7 +217,7 @@ def train_and_evaluate(
                 jax.block_until_ready(losses)  # dispatched steps' compute is stepping time
                 _mark(timeline, "evaluating")
                 eval_metrics = evaluate(trainer.global_params(), val_batches)
-                # eval_loss, and eval_accuracy for classification (MoE: routing statistics).
+                # eval_loss and every metric of the task (accuracy, MoE routing statistics).
                 event.update({f"eval_{k}": v for k, v in eval_metrics.items()})
             if step % config.log_every == 0 or is_last or event:
                 learner_losses = [float(x) for x in jax.device_get(losses)]
@@ -188,17 +262,18 @@ def train_and_evaluate(
         "wall_s": time.perf_counter() - t_start,
         "train_wall_s": progress.elapsed(),
         "final_eval_loss": eval_metrics.get("loss"),
+        **{f"final_eval_{k}": v for k, v in eval_metrics.items() if k != "loss"},
+        "task": task.identity(),
+        "token_unit": task.token_unit,
         "final_train_loss": float(np.mean(jax.device_get(losses))) if losses else None,
         "outer_syncs": trainer.syncs,
         "params": count_params(params),
         "bytes_sent": traffic(end_step, trainer.syncs),
         "bytes_received": traffic(end_step, trainer.syncs),
         "dp_equivalent_bytes": config.num_learners * ring * end_step,
-        dataset.describe()[0]: dataset.describe()[1],
+        dataset_lib.describe(data)[0]: dataset_lib.describe(data)[1],
         "config": dataclasses.asdict(config),
     }
-    if trainer.islands[0].task.classification:
-        summary["final_eval_accuracy"] = eval_metrics.get("accuracy")
     if timeline is not None:  # goodput and uptime, as every mode reports them
         result = timeline_lib.analyze(timeline_lib.load(timeline.path.parent))
         summary.update(goodput=result.goodput, uptime=result.uptime, lost_steps=result.lost_steps)
@@ -242,12 +317,14 @@ def _final_params(
     devices: Sequence[jax.Device],
     corpus: Any,
     workdir: pathlib.Path,
+    task: tasks.Task,
 ) -> Params | None:
     """The final global parameters of a supervised run, from its last checkpoint (if any)."""
     if not config.checkpoint.every:
         return None
-    dataset = tasks.load_dataset(config, corpus)
-    trainer = build_trainer(config, dataset, devices, workdir / "checkpoints")
+    trainer = build_trainer(
+        config, corpus, devices, workdir / "checkpoints", task=task, tx=task.inner_optimizer
+    )
     trainer.restore()
     for checkpointer in trainer.checkpointers:
         checkpointer.close()

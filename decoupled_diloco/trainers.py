@@ -19,14 +19,80 @@ from typing import Any
 import grain
 import jax
 import numpy as np
+import optax
 
 from decoupled_diloco.checkpointing import IslandCheckpointer
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import outer
-from decoupled_diloco.island import InnerState, Island
-from decoupled_diloco.models.transformer import Params
+from decoupled_diloco.island import Island
+from decoupled_diloco.tasks import Task, make_task
 
 PyTree = Any
+Params = Any
+
+
+class DiLoCoOuter:
+    """The synchronous outer round on M parameter trees: what `diloco` mode does at each sync.
+
+    For a user's own loop over M models in one process (optax-style, pure):
+
+        outer = dd.DiLoCoOuter(config, task)
+        outer_state = outer.init(global_params)
+        ...  # H inner steps of each of the M copies
+        global_params, outer_state = outer.update(global_params, outer_state, [p_1, ..., p_M])
+
+    The merge (`outer.merge`, token-weighted), the outer optimizer (`config.outer`) and the
+    task's rules (mean-only tensors; averaged batch statistics) are the syncer's.
+
+    Args:
+      config: the experiment (`outer` settings, `inner_steps`, `data.batch_size`).
+      task: whose merge rules and token counts apply (default: `make_task(config)`).
+    """
+
+    def __init__(self, config: ExperimentConfig, task: Task | None = None):
+        self.config, self.task = config, task or make_task(config)
+        o = config.outer
+        self.tx = outer.make_outer_optimizer(o.lr, o.momentum, o.nesterov, o.delayed_nesterov)
+        self._round: Any = None
+
+    def init(self, global_params: Params) -> optax.OptState:
+        """The outer optimizer's state for `global_params` (host arrays)."""
+        return jax.device_get(self.tx.init(jax.device_get(global_params)))
+
+    def update(
+        self,
+        global_params: Params,
+        outer_state: optax.OptState,
+        local_params: Sequence[Params],
+        tokens: Sequence[int] | None = None,
+        steps: Sequence[int] | None = None,
+    ) -> tuple[Params, optax.OptState]:
+        """Merges the M trees' outer gradients and takes the outer step (host arrays out).
+
+        Args:
+          global_params: Θ, the global parameters the M copies started the round from.
+          outer_state: from `init` or the previous `update`.
+          local_params: θ_1..θ_M after their inner steps.
+          tokens: what each copy trained on this round (default: H steps of the task's).
+          steps: inner steps each took (default: H).
+        """
+        m = len(local_params)
+        steps = list(steps) if steps is not None else [self.config.inner_steps] * m
+        if tokens is None:
+            per_step = self.task.tokens_per_step(self.config.data.batch_size)
+            tokens = [s * per_step for s in steps]
+        weights = [outer.token_weight(t, s) for t, s in zip(tokens, steps, strict=True)]
+        if self._round is None:
+            mean_only = outer.mean_only_mask(global_params, self.task.is_mean_only)
+            averaged = outer.mean_only_mask(global_params, self.task.is_averaged)
+            self._round = jax.jit(
+                functools.partial(
+                    _outer_round, self.tx, self.config.outer.merge, mean_only, averaged
+                )
+            )
+        local = [jax.device_get(p) for p in local_params]
+        new_global, new_outer = self._round(global_params, outer_state, local, weights)
+        return jax.device_get(new_global), jax.device_get(new_outer)
 
 
 def slow_down(
@@ -62,6 +128,8 @@ class DataParallelTrainer:
       iterators: each learner's data shard.
       checkpoint_dir: where checkpoints go (None: no checkpoints).
       controls: per learner, live fault controls (`chaos.faults.Controls`) or None.
+      task: the model, loss and metrics (default: `make_task(config)`).
+      tx: the inner optimizer (default: the task's, else `config.optim`'s).
     """
 
     def __init__(
@@ -71,6 +139,8 @@ class DataParallelTrainer:
         iterators: Sequence[grain.DatasetIterator],
         checkpoint_dir: pathlib.Path | None,
         controls: Sequence[Any] = (),
+        task: Task | None = None,
+        tx: optax.GradientTransformation | None = None,
     ):
         m, (data_axis, model_axis) = config.num_learners, config.mesh.shape
         self.config, self.controls = config, list(controls)
@@ -80,6 +150,8 @@ class DataParallelTrainer:
             devices[: m * config.devices_per_learner],
             mesh_shape=(m * data_axis, model_axis),
             batch_size=m * config.data.batch_size,
+            task=task,
+            tx=tx,
         )
         self.islands = [self.island]
         self.state = self.island.init(config.seed)
@@ -105,6 +177,10 @@ class DataParallelTrainer:
         """The model being trained."""
         return self.state.params
 
+    def eval_local(self) -> PyTree:
+        """The learner-kept state the global model is evaluated with."""
+        return self.state.local
+
     def save(self, step: int) -> None:
         """Starts an asynchronous checkpoint of the model, optimizer and data positions."""
         meta = {"step": step, "data": [it.get_state() for it in self.iterators]}
@@ -125,7 +201,11 @@ class DataParallelTrainer:
 
 
 class DiLoCoTrainer:
-    """Synchronous DiLoCo: M islands, an outer step every H inner steps (args: as `dp`'s)."""
+    """Synchronous DiLoCo: M islands, an outer step every H inner steps (args: as `dp`'s).
+
+    Learner-kept state (`Task.state_policy="local"`) stays with each island; the global model
+    is evaluated with island 0's.
+    """
 
     def __init__(
         self,
@@ -134,28 +214,23 @@ class DiLoCoTrainer:
         iterators: Sequence[grain.DatasetIterator],
         checkpoint_dir: pathlib.Path | None,
         controls: Sequence[Any] = (),
+        task: Task | None = None,
+        tx: optax.GradientTransformation | None = None,
     ):
         self.config, self.controls = config, list(controls)
         self.iterators = list(iterators)
         per = config.devices_per_learner
+        task = task or make_task(config)
         self.islands = [
-            Island(config, devices[i * per : (i + 1) * per]) for i in range(config.num_learners)
+            Island(config, devices[i * per : (i + 1) * per], task=task, tx=tx)
+            for i in range(config.num_learners)
         ]
-        self.outer_tx = outer.make_outer_optimizer(
-            config.outer.lr,
-            config.outer.momentum,
-            config.outer.nesterov,
-            config.outer.delayed_nesterov,
-        )
         # Every island starts from the same parameters (same seed, any mesh).
         self.states = [island.init(config.seed) for island in self.islands]
         self.anchor = jax.device_get(self.states[0].params)
-        self.outer_state = jax.device_get(self.outer_tx.init(self.anchor))
         # The syncer's outer round, on the whole model (`core.outer.outer_round`).
-        mean_only = outer.mean_only_mask(self.anchor, self.islands[0].task.is_mean_only)
-        self._outer_round = jax.jit(
-            functools.partial(_outer_round, self.outer_tx, config.outer.merge, mean_only)
-        )
+        self.outer = DiLoCoOuter(config, task)
+        self.outer_state = self.outer.init(self.anchor)
         self.checkpointers = (
             [
                 IslandCheckpointer(checkpoint_dir / f"learner_{i}", config.checkpoint.max_to_keep)
@@ -185,20 +260,21 @@ class DiLoCoTrainer:
 
     def sync(self) -> None:
         """Merges the islands' outer gradients, applies the outer step, broadcasts the result."""
-        local = [jax.device_get(state.params) for state in self.states]
         # Token weights, as the syncer's: every island trained the same steps and tokens.
-        steps = self.config.inner_steps
-        weights = [outer.token_weight(steps * self.config.tokens_per_step, steps)] * len(local)
-        new_global, new_outer = self._outer_round(self.anchor, self.outer_state, local, weights)
-        self.anchor = jax.device_get(new_global)
-        self.outer_state = jax.device_get(new_outer)
+        self.anchor, self.outer_state = self.outer.update(
+            self.anchor, self.outer_state, [state.params for state in self.states]
+        )
         for i, island in enumerate(self.islands):
-            self.states[i] = InnerState(island.put_params(self.anchor), self.states[i].opt_state)
+            self.states[i] = self.states[i]._replace(params=island.put_params(self.anchor))
         self.syncs += 1
 
     def global_params(self) -> Params:
         """The outer (global) parameters, as of the last outer step."""
         return self.anchor
+
+    def eval_local(self) -> PyTree:
+        """The learner-kept state the global model is evaluated with (island 0's)."""
+        return self.states[0].local
 
     def _checkpoint_tree(self, i: int) -> dict[str, PyTree]:
         return {"inner": self.states[i], "anchor": self.anchor, "outer": self.outer_state}
@@ -254,10 +330,13 @@ def _outer_round(
     tx: Any,
     method: str,
     mean_only: PyTree,
+    averaged: PyTree,
     anchor: Params,
     outer_state: PyTree,
     local: list[Params],
     weights: list,
 ) -> tuple[Params, PyTree]:
     deltas = [outer.outer_gradient(anchor, params) for params in local]
-    return outer.outer_round(tx, method, mean_only, anchor, outer_state, deltas, weights)
+    return outer.outer_round(
+        tx, method, mean_only, anchor, outer_state, deltas, weights, averaged=averaged
+    )

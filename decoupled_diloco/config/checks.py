@@ -13,6 +13,7 @@ from decoupled_diloco.config.schema import (
     COMPRESSION_SCHEMES,
     DATASETS,
     DTYPES,
+    INNER_OPTIMIZERS,
     MERGES,
     MODEL_KINDS,
     MODES,
@@ -20,6 +21,7 @@ from decoupled_diloco.config.schema import (
     CompressionConfig,
     ConfigError,
     ExperimentConfig,
+    ModelConfig,
 )
 
 
@@ -163,6 +165,18 @@ def _validate_supervisor(c: ExperimentConfig) -> None:
         )
 
 
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_hidden", "seq_len"):
+        value = getattr(m, name)
+        _check(value >= 1, f"model.{name}", f"must be >= 1, got {value}")
+    _check(
+        m.d_model % m.num_heads == 0 and (m.d_model // m.num_heads) % 2 == 0,
+        "model.num_heads",
+        f"d_model {m.d_model} must split into {m.num_heads} heads of even size (rotary)",
+    )
+    _check(m.dtype in DTYPES, "model.dtype", f"unknown dtype {m.dtype!r}; expected one of {DTYPES}")
+
+
 def _validate_model_kind(c: ExperimentConfig) -> None:
     m, moe, dataset = c.model, c.moe, c.data.dataset
     _check(m.kind in MODEL_KINDS, "model.kind", f"unknown kind {m.kind!r}; expected {MODEL_KINDS}")
@@ -225,20 +239,26 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
         "chaos",
         f"no fault schedule file at {c.chaos!r} (see experiments/chaos/)",
     )
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_hidden", "seq_len"):
-        value = getattr(m, name)
-        _check(value >= 1, f"model.{name}", f"must be >= 1, got {value}")
-    _check(
-        m.d_model % m.num_heads == 0 and (m.d_model // m.num_heads) % 2 == 0,
-        "model.num_heads",
-        f"d_model {m.d_model} must split into {m.num_heads} heads of even size (rotary)",
-    )
-    _check(m.dtype in DTYPES, "model.dtype", f"unknown dtype {m.dtype!r}; expected one of {DTYPES}")
+    builtin = not c.task  # a user's task (`config.task`) owns its model and data
+    if builtin:
+        _validate_model(m)
+    else:
+        module, _, function = c.task.partition(":")
+        _check(
+            bool(module) and function.isidentifier(),
+            "task",
+            f"{c.task!r} is not 'module:function' (e.g. 'mypkg.tasks:make_task')",
+        )
     _check(c.data.batch_size >= 1, "data.batch_size", f"must be >= 1, got {c.data.batch_size}")
     _check(
         0.0 < c.data.val_fraction < 1.0,
         "data.val_fraction",
         f"must be in (0, 1), got {c.data.val_fraction}",
+    )
+    _check(
+        c.optim.name in INNER_OPTIMIZERS,
+        "optim.name",
+        f"unknown inner optimizer {c.optim.name!r}; expected one of {INNER_OPTIMIZERS}",
     )
     _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
     _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
@@ -266,7 +286,7 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
             "data.batch_size",
             f"{c.data.batch_size} does not split over the mesh data axis of size {data_axis}",
         )
-        for name in ("d_model", "mlp_hidden", "vocab_size", "num_heads"):
+        for name in ("d_model", "mlp_hidden", "vocab_size", "num_heads") if builtin else ():
             value = getattr(m, name)
             _check(
                 value % model_axis == 0,
@@ -276,7 +296,8 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
     if c.mode == "decoupled":  # the synchronous modes ignore these fields
         _validate_decoupled(c)
     _validate_compression(c.compression)
-    _validate_model_kind(c)
+    if builtin:
+        _validate_model_kind(c)
     _validate_supervisor(c)
     _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")

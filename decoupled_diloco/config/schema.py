@@ -14,6 +14,7 @@ MODES = ("dp", "diloco", "decoupled")
 MERGES = ("mean", "rda")
 DTYPES = ("float32", "bfloat16")
 MODEL_KINDS = ("transformer", "moe", "vit")
+INNER_OPTIMIZERS = ("adamw", "muon")
 # Datasets and their image side (pixels; 0: text). Images are square and single-channel.
 DATASETS = {"text": 0, "digits": 8, "mnist": 28}
 
@@ -78,9 +79,13 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """Inner optimizer: AdamW with linear warmup and cosine decay over `train_steps`.
+    """Inner optimizer: AdamW (or Muon) with linear warmup and cosine decay over `train_steps`.
+
+    A user's task may bring any optax optimizer instead (`Task.from_nnx(inner_optimizer=...)`).
 
     Attributes:
+      name: "adamw", or "muon" (`optax.contrib.muon`: orthogonalised momentum for matrices,
+        AdamW for the other tensors, as MuLoCo uses; `b1` is its momentum).
       lr: peak learning rate.
       warmup_steps: linear warmup steps from 0 to `lr`.
       min_lr_ratio: the cosine decays to `lr * min_lr_ratio` at `train_steps`.
@@ -90,6 +95,7 @@ class OptimConfig:
       grad_clip: global gradient-norm clip.
     """
 
+    name: str = "adamw"
     lr: float = 3e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
@@ -402,6 +408,9 @@ class ExperimentConfig:
       slowdown: the slow learner's steps take this many times longer (>= 1).
       chaos: a fault schedule (YAML, see `decoupled_diloco.chaos.faults`) injected into the run, in
         every mode; empty: no faults.
+      task: the user's task, "module:function" (`function(config) -> decoupled_diloco.Task`),
+        imported in every process (docs/byom.md); empty: the built-in model of `model.kind`
+        (then the `model` and `data` sections describe it; a user's task ignores them).
       model: model sizes.
       data: corpus and batch size.
       optim: the inner optimizer.
@@ -424,6 +433,7 @@ class ExperimentConfig:
     slow_learner: int = -1
     slowdown: float = 1.0
     chaos: str = ""
+    task: str = ""
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
@@ -441,9 +451,3 @@ class ExperimentConfig:
         """Devices one learner's mesh spans."""
         return self.mesh.shape[0] * self.mesh.shape[1]
 
-    @property
-    def tokens_per_step(self) -> int:
-        """Training tokens one learner consumes per inner step."""
-        if self.model.kind == "vit":  # classification: a "token" is one example
-            return self.data.batch_size
-        return self.data.batch_size * self.model.seq_len

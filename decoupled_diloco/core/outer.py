@@ -179,6 +179,7 @@ def outer_round(
     deltas: Sequence[PyTree],
     weights: Sequence[float] | jax.Array,
     scale: float | jax.Array = 1.0,
+    averaged: PyTree | None = None,
 ) -> tuple[PyTree, optax.OptState]:
     """One outer round: merge M outer gradients, scale the result, take the outer step.
 
@@ -195,13 +196,31 @@ def outer_round(
       weights: their weights (`token_weight`); zero-weight entries leave the merge unchanged.
       scale: multiplies the merged outer gradient (the syncer's `partial_merge="share"`: the
         merge's share of the learners), else 1.
+      averaged: a pytree of bools (static) like `global_params`: tensors that are state, not
+        parameters (batch statistics): they take the weighted mean of the learners' values,
+        Θ − scale · mean(Δ), with no RDA and no outer optimizer. None: none.
 
     Returns:
       The new global parameters and outer optimizer state.
     """
+    if averaged is not None:
+        mean_only = jax.tree.map(
+            lambda a, m: bool(a) or bool(m),
+            averaged,
+            mean_only if mean_only is not None else averaged,
+        )
     merged = merge(deltas, weights, method, mean_only)
     merged = jax.tree.map(lambda x: x * scale, merged)
-    return outer_step(tx, global_params, outer_state, merged)
+    new_params, outer_state = outer_step(tx, global_params, outer_state, merged)
+    if averaged is not None:
+        new_params = jax.tree.map(
+            lambda a, stepped, g, d: g - d if a else stepped,
+            averaged,
+            new_params,
+            global_params,
+            merged,
+        )
+    return new_params, outer_state
 
 
 def merge_back(

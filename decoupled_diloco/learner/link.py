@@ -1,6 +1,15 @@
 """The learner's side of the syncer protocol as one object: `DecoupledSync`.
 
-A training loop (the built-in `Learner`, or a user's own) owns one and calls four things:
+A training loop (the built-in `Learner`, or a user's own) owns one. In a user's loop:
+
+    with dd.DecoupledSync(config, learner_id=i, syncer="host:50051", params=params) as sync:
+        for batch in loader:
+            params = sync.apply_arrivals(params)        # the global values, then merged arrivals
+            params, opt_state, loss = my_step(params, opt_state, batch)
+            sync.step_done(params, tokens=n, loss=loss) # count it; push the fragments now due
+    # leaving the block: the final flush, then close
+
+which is, spelled out (the built-in learner's loop):
 
     sync.connect()                              # register; take the global fragments
     params = sync.join(params)                  # start from them (heartbeats start)
@@ -54,8 +63,14 @@ class DecoupledSync:
     Args:
       config: the experiment (`decoupled`, `compression` and `syncer` settings).
       learner_id: this learner's identity at the syncer (and its data shard).
-      client: a `comm.shards.syncer_client` (one client per syncer shard).
-      abstract_params: the parameter tree's shapes and dtypes.
+      syncer: HOST:PORT of the syncer (of its shards: comma-separated); or give `client`.
+      params: the parameter tree the loop trains (device arrays): its structure, shapes,
+        dtypes and shardings; or give `abstract_params` and `shardings`.
+      task: whose identity registration checks against the syncer's (`Task.fingerprint`);
+        default: `make_task(config)` (`config.task`, or the built-in model).
+      token: the run token or this learner's credential (default: config or `DD_RUN_TOKEN`).
+      client: a `comm.shards.syncer_client` (one client per syncer shard), instead of `syncer`.
+      abstract_params: the parameter tree's shapes and dtypes, instead of `params`.
       shardings: the parameters' shardings on this learner's mesh (same tree).
       mesh_name: reported at registration, e.g. "2x1".
       on_state: called with "waiting" while `connect` waits (a timeline's `enter`).
@@ -65,14 +80,38 @@ class DecoupledSync:
         self,
         config: ExperimentConfig,
         learner_id: int,
-        client: Any,
-        abstract_params: Params,
-        shardings: Params,
+        syncer: str = "",
+        params: Params = None,
+        *,
+        task: Any = None,
+        token: str = "",
+        client: Any = None,
+        abstract_params: Params = None,
+        shardings: Params = None,
         mesh_name: str = "",
         on_state: Callable[[str], None] | None = None,
     ):
+        if client is None:
+            if not syncer:
+                raise ValueError("DecoupledSync: give syncer='HOST:PORT' (or a client)")
+            from decoupled_diloco.comm.shards import syncer_client
+
+            client = syncer_client(syncer, config.decoupled.syncer, token)
+        if abstract_params is None:
+            if params is None:
+                raise ValueError("DecoupledSync: give params= (or abstract_params and shardings)")
+            abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+            shardings = jax.tree.map(lambda x: x.sharding, params)
+        if task is None:
+            from decoupled_diloco.tasks import make_task
+
+            task = make_task(config)
         self.config, self.id, self.client, self.mesh_name = config, learner_id, client, mesh_name
         self.on_state = on_state
+        self.task_fingerprint = task.fingerprint(F.tensor_specs(abstract_params))
+        self._given = params  # what `__enter__` joins with
+        self._initial: Params = None  # the global values `__enter__` joined, for the first call
+        self._last: Params = None  # the parameters of the last `step_done`, for the exit flush
         d = config.decoupled
         self.specs = F.tensor_specs(abstract_params)
         self.cut = F.partition(self.specs, d.fragments)
@@ -126,7 +165,7 @@ class DecoupledSync:
         progress never waits.
         """
         self.client.wait_ready(timeout_s)
-        reply = self.client.register(self.id, F.fingerprint(self.specs), self.mesh_name)
+        reply = self.client.register(self.id, self.task_fingerprint, self.mesh_name)
         if self.on_state is not None:
             self.on_state("waiting")  # for peers (fresh run), then the global fragments
         deadline = time.monotonic() + peers_s
@@ -162,6 +201,26 @@ class DecoupledSync:
         self._beat.start()
         return params
 
+    def __enter__(self) -> DecoupledSync:
+        """Connects and joins with the `params` given: the first `apply_arrivals` returns them
+        with the global values in place."""
+        if self._initial is not None or self._beat is not None:
+            raise RuntimeError("DecoupledSync: already entered")
+        self.connect()
+        if self._given is None:
+            raise ValueError("DecoupledSync: `with` needs the params= argument")
+        self._initial = self.join(self._given)
+        self._given = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Pushes what is left (the parameters of the last `step_done`), waits, and closes."""
+        try:
+            if self._last is not None and exc[0] is None:
+                self.flush(self._last)
+        finally:
+            self.close()
+
     # Schedule --------------------------------------------------------------------------------
 
     def due(self, step: int) -> list[int]:
@@ -188,6 +247,8 @@ class DecoupledSync:
 
     def apply_arrivals(self, params: Params) -> Params:
         """Merges every fragment whose overlap has passed into `params` (see `merge_back`)."""
+        if self._initial is not None:  # the first call inside `with`: the joined global values
+            params, self._initial = self._initial, None
         t0 = time.perf_counter()
         ready = self._take_ready()
         self.blocked_s += time.perf_counter() - t0
@@ -241,6 +302,7 @@ class DecoupledSync:
         """
         self.step += 1
         self.tokens += tokens
+        self._last = params
         if loss is not None:
             self.loss = loss
         for p in range(len(self.cut)):

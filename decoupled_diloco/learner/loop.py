@@ -18,11 +18,12 @@ from typing import Any
 
 import jax
 
-from decoupled_diloco import runtime, tasks
+from decoupled_diloco import runtime
 from decoupled_diloco.comm.faulty_link import DegradedLink
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
-from decoupled_diloco.island import InnerState, Island
+from decoupled_diloco.data.dataset import check_checkpointable, load_dataset
+from decoupled_diloco.island import Island
 from decoupled_diloco.learner import recovery
 from decoupled_diloco.learner.link import DecoupledSync
 
@@ -93,10 +94,11 @@ class Learner:
         return self.sync_class(
             self.config,
             self.id,
-            client,
-            self.island.abstract_params,
-            self.island.param_sharding,
-            self.mesh_name,
+            task=self.island.task,
+            client=client,
+            abstract_params=self.island.abstract_params,
+            shardings=self.island.param_sharding,
+            mesh_name=self.mesh_name,
             on_state=self._mark,
             **extra,
         )
@@ -145,8 +147,11 @@ class Learner:
     def run(self) -> dict[str, Any]:
         """Trains `train_steps` inner steps, then pushes what is left; returns a summary."""
         c = self.config
-        dataset = tasks.load_dataset(c)  # the text corpus or the image set of the config
+        dataset = load_dataset(c, task=self.island.task)  # the task's, or the config's data
         batches = dataset.train_iterator(c.data.batch_size, self.id, c.num_learners, c.seed)
+        if self.checkpoints is not None:
+            check_checkpointable(batches, c)
+        tokens_per_step = self.island.task.tokens_per_step(c.data.batch_size)
         self.startup["data_loaded"] = time.time()
         if self.checkpoints is not None:  # a restart resumes its checkpoint and data position
             self._mark("restoring")
@@ -156,10 +161,10 @@ class Learner:
         self.startup["restored"] = time.time()
         # Start (or rejoin) from the syncer's global values, pulled by `connect`.
         params = self.sync.join(state.params, self.step, self.tokens)
-        state = InnerState(params, state.opt_state)
+        state = state._replace(params=params)
         t_start = time.perf_counter()
         for step in range(self.step + 1, c.train_steps + 1):
-            state = InnerState(self.sync.apply_arrivals(state.params), state.opt_state)
+            state = state._replace(params=self.sync.apply_arrivals(state.params))
             first = not self._compiled  # this process's first step compiles
             self._mark("compiling" if first else "stepping", step)
             t_step = time.perf_counter()
@@ -176,7 +181,7 @@ class Learner:
                 self.startup["first_step"] = time.time()
                 print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
             self._compiled = True
-            self.sync.step_done(state.params, c.tokens_per_step, loss)
+            self.sync.step_done(state.params, tokens_per_step, loss)
             if self.checkpoints is not None and self.checkpoints.due(step, c.train_steps):
                 # Dispatched steps finish first: their compute is stepping time, not saving.
                 loss.block_until_ready()

@@ -73,11 +73,11 @@ def warm_up(config: Any, shape: tuple[int, int]) -> Any:
     """
     import jax
 
-    from decoupled_diloco import tasks
+    from decoupled_diloco.data.dataset import load_dataset
     from decoupled_diloco.island import Island
 
     island = Island(config, jax.devices()[: shape[0] * shape[1]], mesh_shape=shape)
-    dataset = tasks.load_dataset(config)
+    dataset = load_dataset(config, task=island.task)
     batches = dataset.train_iterator(config.data.batch_size, 0, config.num_learners, config.seed)
     state, loss = island.step(island.init(config.seed), next(batches))
     jax.block_until_ready((state, loss))

@@ -7,22 +7,32 @@ from typing import Any
 import jax
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import tasks
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.core import fragments as F
+from decoupled_diloco.data.dataset import load_dataset
 from decoupled_diloco.island import Island
 
 
 class GlobalEvaluator:
-    """Evaluates the syncer's global parameters (pulled fragment by fragment) on one device."""
+    """Evaluates the syncer's global parameters (pulled fragment by fragment) on one device.
 
-    def __init__(self, config: config_lib.ExperimentConfig, client: SyncerClient, corpus: Any):
+    Learner-kept state (`state_policy="local"`) is not on the syncer: the global model is then
+    evaluated with a freshly initialised model's (docs/byom.md).
+    """
+
+    def __init__(
+        self,
+        config: config_lib.ExperimentConfig,
+        client: SyncerClient,
+        corpus: Any,
+        task: Any = None,
+    ):
         self.config, self.client = config, client
-        self.island = Island(config, jax.devices()[:1], mesh_shape=(1, 1))
+        self.island = Island(config, jax.devices()[:1], mesh_shape=(1, 1), task=task)
         specs = F.tensor_specs(self.island.abstract_params)
         self.cut = F.partition(specs, config.decoupled.fragments)
         self.num_leaves = len(specs)
-        dataset = tasks.load_dataset(config, corpus)  # text corpus or image set
+        dataset = load_dataset(config, corpus, self.island.task)
         self.batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
         self.metrics: dict[str, float] = {}
 
@@ -42,5 +52,5 @@ class GlobalEvaluator:
         return params, self.metrics["loss"]
 
     def event(self) -> dict[str, float]:
-        """The last evaluation as metrics fields: eval_loss, and eval_accuracy if classifying."""
+        """The last evaluation as metrics fields: eval_loss and every other metric of the task."""
         return {f"eval_{k}": v for k, v in self.metrics.items()}

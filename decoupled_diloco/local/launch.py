@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco import tasks
 from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
@@ -205,8 +206,12 @@ def run_decoupled(
     workdir: str | pathlib.Path | None,
     corpus: Any = None,
     progress_s: float = 2.0,
+    task: Any = None,
 ) -> tuple[dict[str, Any], Any]:
     """Runs a syncer and `num_learners` learners to the end; returns (summary, params).
+
+    A user's task (`config.task`) is imported by every process; `task` is this process's copy
+    of it (the evaluator's; default: `make_task(config)`).
 
     Raises:
       RuntimeError: a child process failed (its log tail is in the message).
@@ -227,7 +232,11 @@ def run_decoupled(
     config_file = config_lib.write_config_file(config, workdir / "config.py")
     port_file = workdir / "syncer.port"
     port_file.unlink(missing_ok=True)
-    procs = Processes(workdir / "logs", {**child_env(token), **chaos_env})
+    task = task or tasks.make_task(config)  # fails here, before any process starts
+    procs = Processes(
+        workdir / "logs",
+        {**child_env(token), **chaos_env, "PYTHONPATH": tasks.python_path(config)},
+    )
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
     injector = None
@@ -273,7 +282,7 @@ def run_decoupled(
         supervisor.start_thread()
         if schedule is not None:
             injector = supervisor_lib.start_injector(schedule, supervisor, workdir, client)
-        evaluator = GlobalEvaluator(config, client, corpus)
+        evaluator = GlobalEvaluator(config, client, corpus, task)
         status = _monitor(config, supervisor, client, evaluator, workdir, t_start, progress_s)
         if injector is not None:
             injector.halt.set()
@@ -299,6 +308,9 @@ def run_decoupled(
         "wall_s": time.perf_counter() - t_start,
         "train_wall_s": max(x["train_wall_s"] for x in learners),
         "final_eval_loss": eval_loss,
+        **{f"final_eval_{k}": v for k, v in evaluator.metrics.items() if k != "loss"},
+        "task": task.identity(),
+        "token_unit": task.token_unit,
         "final_train_loss": float(np.mean([x["final_loss"] for x in learners])),
         "outer_syncs": status["merges"],
         "merge_sizes": status["merge_sizes"],
@@ -316,11 +328,6 @@ def run_decoupled(
         # Goodput, uptime, faults and recoveries (see `timeline` for the definitions).
         **supervisor_lib.chaos_summary(workdir, events, t_end=time.time()),
         "max_staleness": status.get("max_staleness", 0),
-        **(
-            {"final_eval_accuracy": evaluator.metrics.get("accuracy")}
-            if evaluator.island.task.classification
-            else {}
-        ),
         "config": dataclasses.asdict(config),
     }
     write_summary(workdir, summary)

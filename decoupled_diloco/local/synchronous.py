@@ -16,6 +16,7 @@ from typing import Any
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.local.procs import Processes
+from decoupled_diloco.tasks import python_path
 from decoupled_diloco.local.supervisor import (
     CHILD_ENV,
     EventLog,
@@ -46,6 +47,7 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
     (workdir / "summary.json").unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update({CHILD_ENV: "1", **chaos_env})
+    env["PYTHONPATH"] = python_path(config)  # the child imports `config.task` too
     procs = Processes(workdir / "logs", env)
     log = EventLog(workdir, t0)
     supervisor = Supervisor(procs, workdir / "timeline", log, config.supervisor)

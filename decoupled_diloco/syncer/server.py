@@ -26,15 +26,28 @@ from decoupled_diloco.syncer.service import SyncerService, add_service, control_
 from decoupled_diloco.syncer.state import SyncerState
 
 
-@functools.lru_cache(maxsize=4)
-def initial_fragments(config: ExperimentConfig) -> tuple[list[list[F.TensorSpec]], list[list]]:
-    """The fragment cut of the model and every fragment's initial values (host arrays).
+def initial_fragments(
+    config: ExperimentConfig, task: tasks.Task | None = None
+) -> tuple[list[list[F.TensorSpec]], list[list]]:
+    """The fragment cut of the task's synced tree and every fragment's initial values (host).
 
-    From the task alone: its abstract parameter tree gives the cut, its initializer (the
-    learners' seed, no mesh) version 0. Learners start from the syncer's values, whatever
-    their meshes.
+    From the task alone (default: `make_task(config)`): its abstract tree gives the cut, its
+    initializer (the learners' seed, no mesh) version 0. Learners start from the syncer's
+    values, whatever their meshes.
     """
-    task = tasks.make_task(config)
+    if task is None and not config.task:
+        return _builtin_fragments(config)
+    return _fragments(config, task or tasks.make_task(config))
+
+
+@functools.lru_cache(maxsize=4)
+def _builtin_fragments(config: ExperimentConfig) -> tuple[list[list[F.TensorSpec]], list[list]]:
+    return _fragments(config, tasks.make_task(config))
+
+
+def _fragments(
+    config: ExperimentConfig, task: tasks.Task
+) -> tuple[list[list[F.TensorSpec]], list[list]]:
     specs = F.tensor_specs(task.abstract_params())
     cut = F.partition(specs, config.decoupled.fragments)
     leaves = jax.tree.leaves(task.init_params(config.seed))
@@ -71,6 +84,8 @@ class SyncerServer:
       checkpoint_dir: where this shard commits its state (see `durability`); it
         resumes from the newest readable commit there. None: in memory only.
       merge_hook: passed to `SyncerState` (tests: `pause_in_merge`).
+      task: what is trained (default: `make_task(config)`, the user's `config.task` or the
+        built-in model): its synced tree, initial values, merge rules and fingerprint.
     """
 
     def __init__(
@@ -82,6 +97,7 @@ class SyncerServer:
         shard: int = 0,
         checkpoint_dir: str | None = None,
         merge_hook: Callable[[], None] | None = None,
+        task: tasks.Task | None = None,
     ):
         s = config.decoupled.syncer
         if not 0 <= shard < s.shards:
@@ -91,7 +107,8 @@ class SyncerServer:
                 "config.decoupled.syncer.tls_key: a TLS syncer needs its private key "
                 f"(tls_cert is {s.tls_cert!r})"
             )
-        cut, values = initial_fragments(config)
+        cut, values = initial_fragments(config, task)
+        task = task or tasks.make_task(config)
         owned = [p for p in range(len(cut)) if p % s.shards == shard]
         self.shard = shard
         self.state = SyncerState(
@@ -99,7 +116,8 @@ class SyncerServer:
             cut,
             values,
             owned=owned,
-            is_mean_only=tasks.make_task(config).is_mean_only,
+            is_mean_only=task.is_mean_only,
+            is_averaged=task.is_averaged,
             merge_hook=merge_hook,
         )
         self.committer = self.restored_step = None
@@ -111,8 +129,13 @@ class SyncerServer:
             )
             self.restored_step = self.committer.restore()
         self.state.warm_up()
-        self.fingerprint = F.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
-        self.service = SyncerService(self.state, token or wire.run_token(s), self.fingerprint)
+        self.fingerprint = task.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
+        self.service = SyncerService(
+            self.state,
+            token or wire.run_token(s),
+            self.fingerprint,
+            task.tokens_per_step(config.data.batch_size),
+        )
         self.service.committer = self.committer
         threads = data_slots(config) + control_slots(config) + 4
         self.server = grpc.server(

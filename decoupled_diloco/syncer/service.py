@@ -67,8 +67,9 @@ class SyncerService(pb_grpc.SyncerServicer):
     `comm.wire`). Only then does the state see the request.
     """
 
-    def __init__(self, state: SyncerState, token: str, fingerprint: str):
+    def __init__(self, state: SyncerState, token: str, fingerprint: str, tokens_per_step: int):
         self.state, self.token, self.fingerprint = state, token, fingerprint
+        self.tokens_per_step = tokens_per_step  # the task's: bounds a push's token count
         self.committer: Any = None  # set by `SyncerServer` when the state is durable
         config = state.config
         self.syncer_config = s = config.decoupled.syncer
@@ -184,11 +185,18 @@ class SyncerService(pb_grpc.SyncerServicer):
                 f"learner id {request.learner_id} is not in [0, {self.state.config.num_learners})",
             )
         if request.fingerprint != self.fingerprint:
+            theirs, _, their_tree = request.fingerprint[:256].rpartition("@")
+            ours, _, our_tree = self.fingerprint.rpartition("@")
+            what = (
+                f"trains task {theirs!r} but the syncer serves task {ours!r}"
+                if theirs != ours
+                else f"has a different parameter tree ({their_tree[:32]}, the syncer's "
+                f"{our_tree}: tree structure, shapes or dtypes) for task {ours!r}"
+            )
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"learner {request.learner_id}: model fingerprint {request.fingerprint[:80]} does "
-                f"not match the syncer's {self.fingerprint} (different tree structure, shapes or "
-                "dtypes: check config.model on both sides)",
+                f"learner {request.learner_id} {what}; start both with the same config.task "
+                "and config.model",
             )
         versions, incarnation = self.state.register(request.learner_id, request.mesh[:64])
         self._durable(context)
@@ -281,7 +289,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 context, _INVALID, f"header says {h.total_bytes} bytes, tensors need {expected}"
             )
         c = self.state.config
-        error = admission.check_counters(h.steps, h.tokens, c.train_steps, c.tokens_per_step)
+        error = admission.check_counters(h.steps, h.tokens, c.train_steps, self.tokens_per_step)
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
         if h.base_version > frag.published:

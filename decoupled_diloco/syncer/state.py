@@ -81,6 +81,8 @@ class SyncerState:
         their specs (no values, no optimizer state) and are refused by the server.
       is_mean_only: a predicate on tensor names: the tensors RDA merges by the plain mean (the
         task's `is_mean_only`); default none.
+      is_averaged: a predicate on tensor names: synced state (batch statistics, the task's
+        `is_averaged`) that takes the learners' weighted mean, no outer step; default none.
       merge_hook: called in the middle of every merge (new values computed, not installed,
         state lock held); tests pass one to kill the syncer there.
     """
@@ -93,6 +95,7 @@ class SyncerState:
         clock: Any = time.monotonic,
         owned: Sequence[int] | None = None,
         is_mean_only: Callable[[str], bool] | None = None,
+        is_averaged: Callable[[str], bool] | None = None,
         merge_hook: Callable[[], None] | None = None,
     ):
         self.config, self.clock, self.merge_hook = config, clock, merge_hook
@@ -128,6 +131,7 @@ class SyncerState:
         # One compiled outer round per fragment: pushes are padded to `num_learners` slots
         # with zero outer gradients of weight 0, which leave both merges unchanged.
         mean_only = is_mean_only or (lambda name: False)
+        averaged = is_averaged or (lambda name: False)
         self._rounds = [
             jax.jit(
                 functools.partial(
@@ -135,6 +139,7 @@ class SyncerState:
                     self.tx,
                     config.outer.merge,
                     {s.name: bool(mean_only(s.name)) for s in specs},
+                    averaged={s.name: bool(averaged(s.name)) for s in specs},
                 )
             )
             for specs in fragments

@@ -1,0 +1,153 @@
+"""The `Dataset` protocol every mode trains from, the built-in datasets, and which one a run uses.
+
+A dataset gives each learner its own training iterator (its shard), the same fixed validation
+batches to everyone, and a description for `summary.json`:
+
+    class MyData:
+        def train_iterator(self, batch_size, learner_id, num_learners, seed): ...
+        def validation_batches(self, batch_size, num_batches): ...   # a list of batches
+        def describe(self): return "dataset", {"name": "mine"}       # optional
+
+A training iterator yields batches (an array with a leading batch axis, or a dict of them). A
+grain `DatasetIterator` (or any iterator with `get_state`/`set_state`) can be checkpointed; a
+plain generator or numpy iterator works too, but only in runs without checkpoints
+(`checkpoint.every = 0`): `check_checkpointable` says so when the run starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from decoupled_diloco.config import ConfigError, ExperimentConfig
+from decoupled_diloco.data import text as data_lib
+
+Batch = Any
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """Training shards and validation batches of one task's data."""
+
+    def train_iterator(self, batch_size: int, learner_id: int, num_learners: int, seed: int) -> Any:
+        """Learner `learner_id`'s iterator of training batches (checkpointable if it can be)."""
+
+    def validation_batches(self, batch_size: int, num_batches: int) -> list[Batch]:
+        """Fixed validation batches, the same in every mode and for every learner."""
+
+
+def describe(dataset: Any) -> tuple[str, dict[str, Any]]:
+    """(summary key, facts about the data): the dataset's own `describe`, else its type."""
+    if hasattr(dataset, "describe"):
+        return dataset.describe()
+    return "dataset", {"name": type(dataset).__name__}
+
+
+def check_checkpointable(iterator: Any, config: ExperimentConfig) -> None:
+    """Refuses, at the start of a run with checkpoints, an iterator that cannot be checkpointed.
+
+    Raises:
+      ConfigError: `checkpoint.every` > 0 and the iterator lacks `get_state` or `set_state`.
+    """
+    if not config.checkpoint.every:
+        return
+    missing = [name for name in ("get_state", "set_state") if not callable(getattr(iterator, name, None))]
+    if missing:
+        raise ConfigError(
+            f"config.checkpoint.every={config.checkpoint.every}: the dataset's training iterator "
+            f"({type(iterator).__name__}) has no {' or '.join(missing)}, so its position cannot "
+            "be checkpointed; return a grain DatasetIterator (e.g. grain.MapDataset...to_iter_dataset()"
+            ".__iter__()), add get_state()/set_state(state) methods, or set checkpoint.every=0"
+        )
+
+
+class TextDataset:
+    """The byte-level corpus cut into `seq_len + 1`-token windows (see `data/text.py`)."""
+
+    def __init__(self, corpus: data_lib.Corpus, seq_len: int):
+        self.corpus, self.seq_len = corpus, seq_len
+
+    def train_iterator(self, batch_size: int, learner_id: int, num_learners: int, seed: int):
+        """See `data.text.train_iterator`."""
+        return data_lib.train_iterator(
+            self.corpus.train_BN, self.seq_len, batch_size, learner_id, num_learners, seed
+        )
+
+    def validation_batches(self, batch_size: int, num_batches: int) -> list[np.ndarray]:
+        """See `data.text.validation_batches`."""
+        return data_lib.validation_batches(
+            self.corpus.val_BN, self.seq_len, batch_size, num_batches
+        )
+
+    def describe(self) -> tuple[str, dict[str, Any]]:
+        """The corpus root, file count and split sizes in tokens."""
+        c = self.corpus
+        return "corpus", {
+            "root": c.root,
+            "files": c.num_files,
+            "train_tokens": len(c.train_BN),
+            "val_tokens": len(c.val_BN),
+        }
+
+
+class ImageDataset:
+    """An image classification set (see `data/vision.py`)."""
+
+    def __init__(self, images: Any, augment: bool):
+        self.images, self.augment = images, augment
+
+    def train_iterator(self, batch_size: int, learner_id: int, num_learners: int, seed: int):
+        """See `data.vision.train_iterator`."""
+        from decoupled_diloco.data import vision as vision_data
+
+        return vision_data.train_iterator(
+            self.images, batch_size, learner_id, num_learners, seed, self.augment
+        )
+
+    def validation_batches(self, batch_size: int, num_batches: int) -> list[dict]:
+        """See `data.vision.validation_batches`."""
+        from decoupled_diloco.data import vision as vision_data
+
+        return vision_data.validation_batches(self.images, batch_size, num_batches)
+
+    def describe(self) -> tuple[str, dict[str, Any]]:
+        """The dataset name, image shape and split sizes in examples."""
+        i = self.images
+        return "dataset", {
+            "name": i.name,
+            "image_shape": list(i.image_shape),
+            "train_examples": len(i.train.labels),
+            "val_examples": len(i.val.labels),
+            "augment": self.augment,
+        }
+
+
+def load_dataset(config: ExperimentConfig, preloaded: Any = None, task: Any = None) -> Any:
+    """The data a run trains on: `preloaded`, else the task's, else `config.data`'s.
+
+    Args:
+      config: the experiment.
+      preloaded: a `Dataset`, a text `data.text.Corpus` or an `ImageData` to use instead of
+        loading; None: the task's dataset, else loaded from `config.data`.
+      task: the run's `tasks.Task` (its `dataset`, if it carries one).
+
+    Raises:
+      ConfigError: a user's task (`config.task`) that carries no dataset and was given none.
+    """
+    if preloaded is not None and hasattr(preloaded, "validation_batches"):
+        return preloaded
+    if preloaded is None and task is not None and task.dataset is not None:
+        return task.dataset
+    if preloaded is None and config.task:
+        raise ConfigError(
+            f"config.task={config.task!r}: the task carries no dataset; give one to "
+            "Task.from_nnx(..., dataset=...) or pass dataset= to train_and_evaluate"
+        )
+    if config.data.dataset == "text":
+        corpus = preloaded or data_lib.load_corpus(config.data.path, config.data.val_fraction)
+        return TextDataset(corpus, config.model.seq_len)
+    from decoupled_diloco.data import vision as vision_data
+
+    images = preloaded or vision_data.load_images(config.data.dataset, config.data.val_fraction)
+    return ImageDataset(images, config.data.augment)
