@@ -221,9 +221,11 @@ class Island:
         """
         if local is None:
             if self._fresh_local is None:
-                self._fresh_local = self.init(self.config.seed).local if jax.tree.leaves(
-                    self.abstract_state.local
-                ) else {}
+                self._fresh_local = (
+                    self.init(self.config.seed).local
+                    if jax.tree.leaves(self.abstract_state.local)
+                    else {}
+                )
             local = self._fresh_local
         # Wait for the step that produced `params` first: on XLA:CPU, two multi-device programs
         # whose collectives interleave can deadlock in the all-reduce rendezvous (seen as an

@@ -38,6 +38,7 @@ from decoupled_diloco.models.mesh import make_island_mesh
 Batch = Any  # an array with a leading batch axis, or a dict of them
 PyTree = Any
 STATE_POLICIES = ("average", "local")
+_BATCH_SPEC = P("data")  # the leading axis of every batch array over the mesh's data axis
 # (graphdef, synced, local, batch) -> (loss, (synced after the forward pass, local after, aux))
 LossFn = Callable[[nnx.GraphDef, PyTree, PyTree, Batch], tuple[jax.Array, tuple]]
 # (graphdef, synced, local, batch) -> {"loss": ..., more scalars}
@@ -82,7 +83,7 @@ class Task:
     build_model: Callable[[nnx.Rngs], nnx.Module]
     train_loss: LossFn
     eval_metrics: MetricsFn
-    batch_spec: P = P("data")
+    batch_spec: P = _BATCH_SPEC
     is_mean_only: Callable[[str], bool] = _no_tensor
     state_policy: str = "average"
     tokens_per_example: int = 1
@@ -103,7 +104,7 @@ class Task:
         inner_optimizer: optax.GradientTransformation | None = None,
         state_policy: str = "average",
         is_mean_only: Callable[[str], bool] = _no_tensor,
-        batch_spec: P = P("data"),
+        batch_spec: P = _BATCH_SPEC,
         tokens_per_example: int = 1,
         token_unit: str = "examples",
         import_path: str = "",
@@ -219,7 +220,7 @@ class Task:
         )
 
     def init_params(self, seed: int) -> PyTree:
-        """Freshly initialised synced values as host numpy arrays, as a learner of `seed` makes them.
+        """Freshly initialised synced values (host numpy), as a learner of `seed` makes them.
 
         On one device, with no island: the syncer's version 0 (learners start from it).
         """

@@ -189,6 +189,7 @@ def train_and_evaluate(
 
     def evaluate(params: Params, batches: Sequence[Any]) -> dict[str, float]:
         return trainer.islands[0].evaluate_metrics(params, batches, trainer.eval_local())
+
     # The global model changes only at syncs (every step in dp, every H in diloco): evaluate at
     # the first sync at or after each multiple of `eval.every`, decided from the step alone so
     # a resumed run evaluates where an uninterrupted one would; always at the last step.

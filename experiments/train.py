@@ -52,7 +52,8 @@ def main(argv: list[str]) -> None:
     accuracy_text = f", accuracy {100 * accuracy:.1f}%" if accuracy is not None else ""
     print(
         f"[{s['mode']}] done: final eval loss {s['final_eval_loss']:.4f}{accuracy_text} after "
-        f"{s['tokens']:,} tokens in {s['wall_s']:.0f}s; metrics and summary in {_WORKDIR.value}/"
+        f"{s['tokens']:,} {s.get('token_unit', 'tokens')} in {s['wall_s']:.0f}s; metrics and "
+        f"summary in {_WORKDIR.value}/"
     )
     from decoupled_diloco.obs.report import next_steps, write_report
 

@@ -9,6 +9,7 @@ import pytest
 
 from decoupled_diloco.config import write_config_file
 from decoupled_diloco.obs.tb import read_scalars
+from decoupled_diloco.tasks import make_task
 from tests.conftest import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,7 +35,8 @@ def test_compare_runs_three_modes_into_one_table_and_plots(tmp_path):
     for mode in ("dp", "diloco", "decoupled"):
         cells = [c.strip() for c in rows[mode].split("|")[1:-1]]
         assert float(cells[1]) < 5.25  # final eval loss, well below ln(256) = 5.55 untrained
-        assert cells[3] == f"{config.train_steps * config.num_learners * config.tokens_per_step:,}"
+        per_step = make_task(config).tokens_per_step(config.data.batch_size)
+        assert cells[3] == f"{config.train_steps * config.num_learners * per_step:,}"
         assert (tmp_path / "cmp" / mode / "report.md").exists()
     assert rows["dp"].split("|")[3].strip() == "1.000x"
     for name in ("eval_loss_tokens", "eval_loss_wall", "wall_time"):

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from decoupled_diloco.comm import auth
 from decoupled_diloco.syncer.server import SyncerServer
+from decoupled_diloco.tasks import make_task
 from tests.test_syncer import _config as syncer_config
 
 TOKEN = "hostile-test-token"
@@ -285,7 +286,10 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
     """Row 4 within the bounds: a push claiming the most work a run allows against an honest one."""
     specs = server.state.fragments[1].specs
     state, cap = server.state, server.state.config.decoupled.syncer.max_weight_share
-    train_steps, tps = state.config.train_steps, state.config.tokens_per_step
+    train_steps, tps = (
+        state.config.train_steps,
+        make_task(state.config).tokens_per_step(state.config.data.batch_size),
+    )
     merges = len(state.merge_log)
     honest = peer.push_raw(peer.chunks(specs, small(specs), learner=0, fragment=1, rnd=0))
     greedy = peer.push_raw(

@@ -6,7 +6,6 @@ import pytest
 
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.core import outer
-from decoupled_diloco.island import InnerState
 from decoupled_diloco.syncer.records import Push
 from decoupled_diloco.syncer.server import initial_fragments
 from decoupled_diloco.syncer.state import SyncerState
@@ -30,7 +29,7 @@ def test_the_diloco_trainer_and_the_syncer_merge_the_same_pushes_alike(method):
         for _ in range(2)
     ]
     for i, island in enumerate(trainer.islands):
-        trainer.states[i] = InnerState(island.put_params(local[i]), trainer.states[i].opt_state)
+        trainer.states[i] = trainer.states[i]._replace(params=island.put_params(local[i]))
     trainer.sync()  # the synchronous round: all of the model, both learners
 
     # The syncer: the same initial values, the same outer gradients, pushed fragment by fragment.
@@ -41,7 +40,10 @@ def test_the_diloco_trainer_and_the_syncer_merge_the_same_pushes_alike(method):
             np.testing.assert_array_equal(value, leaves[spec.index])  # the same start
     task = make_task(config)
     state = SyncerState(config, cut, values, is_mean_only=task.is_mean_only)
-    steps, tokens = config.inner_steps, config.inner_steps * config.tokens_per_step
+    steps, tokens = (
+        config.inner_steps,
+        config.inner_steps * task.tokens_per_step(config.data.batch_size),
+    )
     for i in range(2):
         state.register(i, "1x1")
     for i in range(2):

@@ -29,6 +29,7 @@ from decoupled_diloco.config import write_config_file
 from decoupled_diloco.local.evaluator import GlobalEvaluator
 from decoupled_diloco.local.procs import free_port
 from decoupled_diloco.syncer.server import SyncerServer
+from decoupled_diloco.tasks import make_task
 from tests.conftest import tiny_config
 from tests.helpers import is_due, wait_until
 
@@ -382,7 +383,11 @@ def test_learner_killed_mid_run_restores_rejoins_and_neither_replays_nor_hides_d
         assert again["skipped_batches"] == again["lost_steps"] == drawn - restored
         assert again["data_position"] == STEPS + drawn - restored == cluster.position(1)
         assert f"{drawn - restored} batches drawn after it were skipped" in log
-        assert again["tokens"] == first["tokens"] == STEPS * cluster.config.tokens_per_step
+        assert (
+            again["tokens"]
+            == first["tokens"]
+            == STEPS * make_task(cluster.config).tokens_per_step(cluster.config.data.batch_size)
+        )
         assert cluster.eval_loss() < 4.5  # ln(256) = 5.55 at init
     finally:
         cluster.reap()

@@ -96,7 +96,9 @@ def test_register_checks_the_model_fingerprint(syncer):
     with pytest.raises(grpc.RpcError) as info:
         client.register(0, "0123456789abcdef")
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "fingerprint" in info.value.details() and "config.model" in info.value.details()
+    details = info.value.details()
+    assert "builtin:transformer" in details and "'0123456789abcdef'" in details, details
+    assert "config.task" in details and "config.model" in details
     assert server.state.learners == {}
     reply = client.register(0, server.fingerprint, "1x1")
     assert list(reply.versions) == [0, 0] and reply.num_fragments == 2

@@ -170,12 +170,12 @@ def run(out: pathlib.Path) -> None:
     from decoupled_diloco.comm import syncer_pb2 as pb
     from decoupled_diloco.config import write_config_file
     from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.tasks import make_task
 
     config = _config()
     cut, _ = initial_fragments(config)
     specs = cut[0]
     fingerprint_specs = sorted((s for f in cut for s in f), key=lambda s: s.index)
-    from decoupled_diloco.core import fragments as F
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_security_"))
     syncer = subprocess.Popen(
@@ -201,7 +201,9 @@ def run(out: pathlib.Path) -> None:
         for i in (0, 1):
             reply = a.unary(
                 "Register",
-                pb.RegisterRequest(learner_id=i, fingerprint=F.fingerprint(fingerprint_specs)),
+                pb.RegisterRequest(
+                    learner_id=i, fingerprint=make_task(config).fingerprint(fingerprint_specs)
+                ),
                 pb.RegisterReply,
             )
             inc[i] = reply.incarnation
@@ -352,7 +354,9 @@ def run(out: pathlib.Path) -> None:
             chunks = _chunks(pb, specs, 1e-3, learner=1, rnd=50, inc=inc[1])
             inc[1] = a.unary(
                 "Register",
-                pb.RegisterRequest(learner_id=1, fingerprint=F.fingerprint(fingerprint_specs)),
+                pb.RegisterRequest(
+                    learner_id=1, fingerprint=make_task(config).fingerprint(fingerprint_specs)
+                ),
                 pb.RegisterReply,
             ).incarnation
             return _code(lambda: a.push(chunks))

@@ -100,15 +100,15 @@ def bench_raw(port: int, total: int, repeats: int) -> tuple[float, float]:
 def bench_syncer(address: str, config, repeats: int, register: bool) -> tuple:
     """Best push, pull and parallel-pull MB/s of every fragment through the real calls."""
     from decoupled_diloco.comm.client import SyncerClient
-    from decoupled_diloco.core import fragments as F
     from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.tasks import make_task
 
     cut, values = initial_fragments(config)
     specs = sorted((s for f in cut for s in f), key=lambda s: s.index)
     client = SyncerClient(address, config.decoupled.syncer, TOKEN)
     client.wait_ready(300)
     for learner in (0, 1) if register else ():  # Quorum 2 and one pusher: nothing merges.
-        client.register(learner, F.fingerprint(specs))
+        client.register(learner, make_task(config).fingerprint(specs))
     total = sum(s.nbytes for f in cut for s in f)
     rng = np.random.default_rng(0)
     deltas = [[rng.standard_normal(s.shape).astype(s.dtype) * 1e-3 for s in f] for f in cut]

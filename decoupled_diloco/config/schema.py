@@ -450,4 +450,3 @@ class ExperimentConfig:
     def devices_per_learner(self) -> int:
         """Devices one learner's mesh spans."""
         return self.mesh.shape[0] * self.mesh.shape[1]
-

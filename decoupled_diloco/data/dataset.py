@@ -52,13 +52,16 @@ def check_checkpointable(iterator: Any, config: ExperimentConfig) -> None:
     """
     if not config.checkpoint.every:
         return
-    missing = [name for name in ("get_state", "set_state") if not callable(getattr(iterator, name, None))]
+    missing = [
+        name for name in ("get_state", "set_state") if not callable(getattr(iterator, name, None))
+    ]
     if missing:
         raise ConfigError(
             f"config.checkpoint.every={config.checkpoint.every}: the dataset's training iterator "
             f"({type(iterator).__name__}) has no {' or '.join(missing)}, so its position cannot "
-            "be checkpointed; return a grain DatasetIterator (e.g. grain.MapDataset...to_iter_dataset()"
-            ".__iter__()), add get_state()/set_state(state) methods, or set checkpoint.every=0"
+            "be checkpointed; return a grain DatasetIterator (iter(grain.MapDataset...."
+            "to_iter_dataset())), add get_state()/set_state(state) methods, or set "
+            "checkpoint.every=0"
         )
 
 

@@ -202,8 +202,10 @@ class DecoupledSync:
         return params
 
     def __enter__(self) -> DecoupledSync:
-        """Connects and joins with the `params` given: the first `apply_arrivals` returns them
-        with the global values in place."""
+        """Connects and joins with the `params` given.
+
+        The first `apply_arrivals` returns them with the global values in place.
+        """
         if self._initial is not None or self._beat is not None:
             raise RuntimeError("DecoupledSync: already entered")
         self.connect()

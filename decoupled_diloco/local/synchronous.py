@@ -16,7 +16,6 @@ from typing import Any
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.local.procs import Processes
-from decoupled_diloco.tasks import python_path
 from decoupled_diloco.local.supervisor import (
     CHILD_ENV,
     EventLog,
@@ -26,6 +25,7 @@ from decoupled_diloco.local.supervisor import (
     start_injector,
     write_timeline_png,
 )
+from decoupled_diloco.tasks import python_path
 
 
 def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:

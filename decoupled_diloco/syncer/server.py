@@ -129,7 +129,9 @@ class SyncerServer:
             )
             self.restored_step = self.committer.restore()
         self.state.warm_up()
-        self.fingerprint = task.fingerprint(sorted((x for f in cut for x in f), key=lambda x: x.index))
+        self.fingerprint = task.fingerprint(
+            sorted((x for f in cut for x in f), key=lambda x: x.index)
+        )
         self.service = SyncerService(
             self.state,
             token or wire.run_token(s),

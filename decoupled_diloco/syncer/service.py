@@ -185,10 +185,13 @@ class SyncerService(pb_grpc.SyncerServicer):
                 f"learner id {request.learner_id} is not in [0, {self.state.config.num_learners})",
             )
         if request.fingerprint != self.fingerprint:
-            theirs, _, their_tree = request.fingerprint[:256].rpartition("@")
+            theirs, named, their_tree = request.fingerprint[:256].rpartition("@")
             ours, _, our_tree = self.fingerprint.rpartition("@")
             what = (
-                f"trains task {theirs!r} but the syncer serves task {ours!r}"
+                f"sent fingerprint {their_tree[:64]!r}, which names no task; the syncer serves "
+                f"task {ours!r} ({self.fingerprint})"
+                if not named
+                else f"trains task {theirs!r} but the syncer serves task {ours!r}"
                 if theirs != ours
                 else f"has a different parameter tree ({their_tree[:32]}, the syncer's "
                 f"{our_tree}: tree structure, shapes or dtypes) for task {ours!r}"

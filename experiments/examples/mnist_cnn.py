@@ -48,6 +48,7 @@ class CNN(nnx.Module):
         self.out = nnx.Linear(4 * width, NUM_CLASSES, rngs=rngs)
 
     def __call__(self, images_BHWC: jax.Array) -> jax.Array:
+        """Logits (B, 10) of images (B, H, W, 1)."""
         pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
         x = pool(nnx.relu(self.norm1(self.conv1(images_BHWC))))
         x = pool(nnx.relu(self.norm2(self.conv2(x))))
@@ -169,7 +170,9 @@ def main(argv: list[str]) -> None:
             dataset=user_task.dataset,
         )
     s = result.summary
-    print(f"[{config.mode}] accuracy {100 * s['final_eval_accuracy']:.1f}% after {s['tokens']} images")
+    print(
+        f"[{config.mode}] accuracy {100 * s['final_eval_accuracy']:.1f}% after {s['tokens']} images"
+    )
 
 
 if __name__ == "__main__":
