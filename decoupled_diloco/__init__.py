@@ -42,6 +42,7 @@ _EXPORTS = {
     "from_config_dict": "decoupled_diloco.config",
     "as_config_dict": "decoupled_diloco.config",
     "validate": "decoupled_diloco.config",
+    "replace": "decoupled_diloco.config",
     # What is trained: the task, its data, its islands, the synchronous trainers.
     "Task": "decoupled_diloco.tasks",
     "make_task": "decoupled_diloco.tasks",

@@ -102,6 +102,7 @@ def _user_task(
             "Python objects: give the dataset and the inner optimizer to the task that "
             "config.task builds (Task.from_nnx(..., dataset=..., inner_optimizer=...))"
         )
+    config_lib.validate(config)
     task = task or tasks.make_task(config)
     if inner_optimizer is not None:
         task = dataclasses.replace(task, inner_optimizer=inner_optimizer)
@@ -148,7 +149,6 @@ def train_and_evaluate(
     Returns:
       The summary and the final global parameters (host arrays).
     """
-    config_lib.validate(config)
     config, task = _user_task(config, task, inner_optimizer, dataset)
     if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
         from decoupled_diloco.local.launch import run_decoupled

@@ -197,8 +197,9 @@ def outer_round(
       scale: multiplies the merged outer gradient (the syncer's `partial_merge="share"`: the
         merge's share of the learners), else 1.
       averaged: a pytree of bools (static) like `global_params`: tensors that are state, not
-        parameters (batch statistics): they take the weighted mean of the pushed values,
-        Θ − mean(Δ), with no RDA, no `scale` and no outer optimizer. None: none.
+        parameters (batch statistics): Θ − scale · mean(Δ), the weighted mean of the pushed
+        values (with `scale`, a lone push's share of it), with no RDA and no outer optimizer.
+        None: none.
 
     Returns:
       The new global parameters and outer optimizer state.
@@ -209,17 +210,15 @@ def outer_round(
             averaged,
             mean_only if mean_only is not None else averaged,
         )
-    mean = merge(deltas, weights, method, mean_only)
-    new_params, outer_state = outer_step(
-        tx, global_params, outer_state, jax.tree.map(lambda x: x * scale, mean)
-    )
-    if averaged is not None:  # state: the pushers' weighted mean, whatever their share
+    merged = jax.tree.map(lambda x: x * scale, merge(deltas, weights, method, mean_only))
+    new_params, outer_state = outer_step(tx, global_params, outer_state, merged)
+    if averaged is not None:  # state: no outer optimizer
         new_params = jax.tree.map(
             lambda a, stepped, g, d: g - d if a else stepped,
             averaged,
             new_params,
             global_params,
-            mean,
+            merged,
         )
     return new_params, outer_state
 

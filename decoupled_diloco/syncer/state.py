@@ -132,6 +132,8 @@ class SyncerState:
         # with zero outer gradients of weight 0, which leave both merges unchanged.
         mean_only = is_mean_only or (lambda name: False)
         averaged = is_averaged or (lambda name: False)
+        # Per fragment, per tensor: state (batch statistics) rather than a parameter.
+        self._averaged = [[bool(averaged(s.name)) for s in specs] for specs in fragments]
         self._rounds = [
             jax.jit(
                 functools.partial(
@@ -279,11 +281,18 @@ class SyncerState:
     def _add(self, frag: FragmentState, push: Push) -> None:
         delta = push.delta
         stale = push.base_version != frag.version
-        if stale and self.config.decoupled.stale_anchor == "syncer":
+        by_syncer = self.config.decoupled.stale_anchor == "syncer"
+        # State (batch statistics) is always re-anchored: Θ − s·(Θ − θ_m) stays a weighted mix of
+        # the learners' values, where a stale Δ would carry the versions in between as drift.
+        state = self._averaged[push.fragment]
+        if stale and (by_syncer or any(state)):
             # θ_m = Θ^(b) − Δ, re-anchored at the current Θ. A base the history lacks (only
             # after a restart fell back past an unreadable checkpoint) is taken as current.
             base = frag.history.get(push.base_version, frag.values)
-            delta = [c - (b - d) for c, b, d in zip(frag.values, base, delta, strict=True)]
+            delta = [
+                c - (b - d) if by_syncer or is_state else d
+                for c, b, d, is_state in zip(frag.values, base, delta, state, strict=True)
+            ]
         previous = frag.pending.get(push.learner_id)
         if previous is not None:  # A newer push from the same learner supersedes the older one.
             push = dataclasses.replace(
@@ -293,8 +302,12 @@ class SyncerState:
                 previous.base_version != push.base_version
             ):
                 # Anchored at different versions, the two outer gradients hold disjoint
-                # progress (the learner was overwritten in between): keep both.
-                delta = [a + b for a, b in zip(previous.delta, delta, strict=True)]
+                # progress (the learner was overwritten in between): keep both (state: the
+                # newer values alone).
+                delta = [
+                    b if is_state else a + b
+                    for a, b, is_state in zip(previous.delta, delta, state, strict=True)
+                ]
         frag.pending[push.learner_id] = dataclasses.replace(push, delta=delta)
         now = self.clock()
         if frag.first_push_t is None:

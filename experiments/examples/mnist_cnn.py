@@ -132,17 +132,15 @@ def make_task(config, state_policy: str = "average") -> dd.Task:
 
 def make_config(mode: str = "diloco", steps: int = 200, dataset: str = "digits", **fields):
     """The experiment: M = 2 learners, H = 25, evaluation every 50 steps."""
-    c = dd.ExperimentConfig(
-        mode=mode,
-        num_learners=2,
-        inner_steps=25,
-        train_steps=steps,
-        task=TASK,
-        data=dd.DataConfig(dataset=dataset, batch_size=32),
-        outer=dd.OuterConfig(lr=1.0, momentum=0.0, nesterov=False),
-        eval=dd.EvalConfig(every=50, batches=8),
+    fields = {
+        "num_learners": 2,
+        "inner_steps": 25,
+        "data": dd.DataConfig(dataset=dataset, batch_size=32),
+        "outer": dd.OuterConfig(lr=1.0, momentum=0.0, nesterov=False),
+        "eval": dd.EvalConfig(every=50, batches=8),
         **fields,
-    )
+    }
+    c = dd.ExperimentConfig(mode=mode, train_steps=steps, task=TASK, **fields)
     return dd.from_config_dict(dd.as_config_dict(c))
 
 
