@@ -111,12 +111,16 @@ class Island:
         abstract_opt = jax.eval_shape(
             self.tx.init, select(self.abstract_params, self.trainable_mask, True)
         )
+        # Moments take their parameter's sharding. Optimizers that split the tree (Muon's
+        # matrices and the rest, `optax.partition`) hold `MaskedNode`s in place of the others.
+        masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
         opt_sharding = optax.tree_map_params(
             self.tx,
-            lambda _, sharding: sharding,
+            lambda x, sharding: x if masked(x) else sharding,
             abstract_opt,
             trainable_sharding,
             transform_non_params=lambda _: self.replicated,
+            is_leaf=masked,
         )
         local_sharding = jax.tree.map(lambda _: self.replicated, abstract_local)
         self.state_sharding = InnerState(self.param_sharding, opt_sharding, local_sharding)

@@ -216,6 +216,20 @@ def test_a_learner_of_another_task_is_refused_at_registration():
         server.stop()
 
 
+def test_the_syncer_starts_from_given_initial_parameters():
+    config = dd.from_config_dict(own_loop.get_config())
+    task = dd.make_task(config)
+    initial = jax.tree.map(lambda x: np.full_like(x, 0.5), task.init_params(0))
+    server = dd.SyncerServer(config, port=0, token="t", task=task, initial_params=initial)
+    try:
+        assert all(np.all(v == 0.5) for f in server.state.fragments for v in f.values)
+    finally:
+        server.stop()
+    initial["tokens"]["embedding"] = initial["tokens"]["embedding"][:10]
+    with pytest.raises(ValueError, match="does not match task"):
+        dd.SyncerServer(config, port=0, token="t", task=task, initial_params=initial)
+
+
 def test_muon_as_the_inner_optimizer_of_the_built_in_lm():
     config = dd.ExperimentConfig(
         mode="diloco",

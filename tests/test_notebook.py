@@ -38,6 +38,8 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     eval_loss = float(text.split("global model: eval loss ")[1].split()[0])
     assert eval_loss < 5.3  # well below the untrained ln(256) = 5.55
     assert "goodput" in text and "data-parallel equivalent" in text
+    accuracy = float(text.split("your model: accuracy ")[1].split("%")[0])
+    assert accuracy > 50 and "images" in text  # the user's MLP learned the digits
     images = [
         o for c in notebook.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})
     ]

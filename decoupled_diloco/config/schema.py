@@ -86,6 +86,8 @@ class OptimConfig:
     Attributes:
       name: "adamw", or "muon" (`optax.contrib.muon`: orthogonalised momentum for matrices,
         AdamW for the other tensors, as MuLoCo uses; `b1` is its momentum).
+      adam_lr: muon: the peak learning rate of the tensors AdamW steps (vectors, and the
+        embedding tables); 0: `lr`.
       lr: peak learning rate.
       warmup_steps: linear warmup steps from 0 to `lr`.
       min_lr_ratio: the cosine decays to `lr * min_lr_ratio` at `train_steps`.
@@ -96,6 +98,7 @@ class OptimConfig:
     """
 
     name: str = "adamw"
+    adam_lr: float = 0.0
     lr: float = 3e-3
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1

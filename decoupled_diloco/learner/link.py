@@ -64,8 +64,9 @@ class DecoupledSync:
       config: the experiment (`decoupled`, `compression` and `syncer` settings).
       learner_id: this learner's identity at the syncer (and its data shard).
       syncer: HOST:PORT of the syncer (of its shards: comma-separated); or give `client`.
-      params: the parameter tree the loop trains (device arrays): its structure, shapes,
-        dtypes and shardings; or give `abstract_params` and `shardings`.
+      params: the parameter tree the loop trains (device arrays, or host arrays for the
+        default device): its structure, shapes, dtypes and shardings; or give
+        `abstract_params` and `shardings`.
       task: whose identity registration checks against the syncer's (`Task.fingerprint`);
         default: `make_task(config)` (`config.task`, or the built-in model).
       token: the run token or this learner's credential (default: config or `DD_RUN_TOKEN`).
@@ -101,7 +102,9 @@ class DecoupledSync:
             if params is None:
                 raise ValueError("DecoupledSync: give params= (or abstract_params and shardings)")
             abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-            shardings = jax.tree.map(lambda x: x.sharding, params)
+            # Host arrays (numpy) go to the default device, as `jax.device_put` would put them.
+            default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda x: getattr(x, "sharding", default), params)
         if task is None:
             from decoupled_diloco.tasks import make_task
 

@@ -14,9 +14,11 @@ import pathlib
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 import jax
+import numpy as np
 
 from decoupled_diloco import tasks
 from decoupled_diloco.comm import wire
@@ -27,17 +29,21 @@ from decoupled_diloco.syncer.state import SyncerState
 
 
 def initial_fragments(
-    config: ExperimentConfig, task: tasks.Task | None = None
+    config: ExperimentConfig, task: tasks.Task | None = None, initial: Any = None
 ) -> tuple[list[list[F.TensorSpec]], list[list]]:
     """The fragment cut of the task's synced tree and every fragment's initial values (host).
 
     From the task alone (default: `make_task(config)`): its abstract tree gives the cut, its
-    initializer (the learners' seed, no mesh) version 0. Learners start from the syncer's
-    values, whatever their meshes.
+    initializer (the learners' seed, no mesh) version 0, unless `initial` (a tree like the
+    task's, e.g. pretrained parameters) is given. Learners start from the syncer's values,
+    whatever their meshes.
+
+    Raises:
+      ValueError: `initial` does not match the task's tree (structure, shapes or dtypes).
     """
-    if task is None and not config.task:
+    if task is None and not config.task and initial is None:
         return _builtin_fragments(config)
-    return _fragments(config, task or tasks.make_task(config))
+    return _fragments(config, task or tasks.make_task(config), initial)
 
 
 @functools.lru_cache(maxsize=4)
@@ -46,11 +52,18 @@ def _builtin_fragments(config: ExperimentConfig) -> tuple[list[list[F.TensorSpec
 
 
 def _fragments(
-    config: ExperimentConfig, task: tasks.Task
+    config: ExperimentConfig, task: tasks.Task, initial: Any = None
 ) -> tuple[list[list[F.TensorSpec]], list[list]]:
     specs = F.tensor_specs(task.abstract_params())
     cut = F.partition(specs, config.decoupled.fragments)
-    leaves = jax.tree.leaves(task.init_params(config.seed))
+    if initial is not None and F.tensor_specs(initial) != specs:
+        raise ValueError(
+            f"SyncerServer(initial_params=...): the tree does not match task "
+            f"{task.identity()!r}'s (fingerprint {task.fingerprint(F.tensor_specs(initial))} "
+            f"against {task.fingerprint(specs)})"
+        )
+    tree = initial if initial is not None else task.init_params(config.seed)
+    leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
     return cut, [F.gather(leaves, frag) for frag in cut]
 
 
@@ -86,6 +99,8 @@ class SyncerServer:
       merge_hook: passed to `SyncerState` (tests: `pause_in_merge`).
       task: what is trained (default: `make_task(config)`, the user's `config.task` or the
         built-in model): its synced tree, initial values, merge rules and fingerprint.
+      initial_params: version 0 of the global model, a tree like the task's (e.g. pretrained
+        parameters); default: the task's initializer at `config.seed`.
     """
 
     def __init__(
@@ -98,6 +113,7 @@ class SyncerServer:
         checkpoint_dir: str | None = None,
         merge_hook: Callable[[], None] | None = None,
         task: tasks.Task | None = None,
+        initial_params: Any = None,
     ):
         s = config.decoupled.syncer
         if not 0 <= shard < s.shards:
@@ -107,7 +123,7 @@ class SyncerServer:
                 "config.decoupled.syncer.tls_key: a TLS syncer needs its private key "
                 f"(tls_cert is {s.tls_cert!r})"
             )
-        cut, values = initial_fragments(config, task)
+        cut, values = initial_fragments(config, task, initial_params)
         task = task or tasks.make_task(config)
         owned = [p for p in range(len(cut)) if p % s.shards == shard]
         self.shard = shard

@@ -51,7 +51,7 @@ class Block(nnx.Module):
 class ByteGPT(nnx.Module):
     """Token and position embeddings, `depth` blocks, a final norm, the tied output head."""
 
-    def __init__(self, seq_len: int, width: int = 64, depth: int = 2, heads: int = 4, *, rngs):
+    def __init__(self, seq_len: int, width: int, depth: int, heads: int, *, rngs: nnx.Rngs):
         self.tokens = nnx.Embed(256, width, rngs=rngs)
         self.positions = nnx.Embed(seq_len, width, rngs=rngs)
         self.blocks = nnx.List([Block(width, heads, rngs=rngs) for _ in range(depth)])
@@ -71,10 +71,16 @@ def next_byte_loss(model: ByteGPT, tokens_BT1: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:]).mean()
 
 
+def build(config, rngs: nnx.Rngs) -> ByteGPT:
+    """The model of `config.model` (seq_len, d_model, num_layers, num_heads)."""
+    m = config.model
+    return ByteGPT(m.seq_len, m.d_model, m.num_layers, m.num_heads, rngs=rngs)
+
+
 def make_task(config) -> dd.Task:
     """What the syncer needs to know: the model (its tree and initial values) and the loss."""
     return dd.Task.from_nnx(
-        build_model=lambda rngs: ByteGPT(config.model.seq_len, rngs=rngs),
+        build_model=lambda rngs: build(config, rngs),
         loss_fn=next_byte_loss,
         # The embedding tables are merged by the plain mean, as Decoupled DiLoCo does.
         is_mean_only=lambda name: name.startswith(("tokens/", "positions/")),
@@ -92,7 +98,7 @@ def get_config():
             inner_steps=20,
             train_steps=200,
             task=TASK,
-            model=dd.ModelConfig(seq_len=64),
+            model=dd.ModelConfig(seq_len=64, d_model=64, num_layers=2, num_heads=4),
             data=dd.DataConfig(batch_size=16),
             outer=dd.OuterConfig(lr=1.0, momentum=0.0, nesterov=False, merge="rda"),
         )
@@ -112,7 +118,7 @@ def byte_windows(learner_id: int, seq_len: int, batch_size: int, seed: int = 0):
 
 def train(config, syncer: str, learner_id: int, log_every: int = 20) -> dict:
     """One learner's own loop; returns its first and last losses and the versions it saw."""
-    model = ByteGPT(config.model.seq_len, rngs=nnx.Rngs(config.seed))
+    model = build(config, nnx.Rngs(config.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     params = jax.device_put(nnx.to_pure_dict(params))
     tx = optax.chain(
