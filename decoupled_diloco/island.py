@@ -94,7 +94,12 @@ class Island:
         self.tx = tx or self.task.inner_optimizer or make_inner_optimizer(config)
         with jax.set_mesh(self.mesh):
             abstract_model = nnx.eval_shape(lambda: self.task.build_model(nnx.Rngs(0)))
-        self.graphdef, synced_state, _ = self.task.split_states(abstract_model)
+        self.graphdef, synced_state, local_state = self.task.split_states(abstract_model)
+        # Which leaves of the local tree are RNG keys (each learner folds in its own stream).
+        self._keys = jax.tree.map(
+            lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key),
+            nnx.to_pure_dict(local_state),
+        )
         _, abstract_synced, abstract_local = self.task.split(abstract_model)
         specs = nnx.to_pure_dict(nnx.get_partition_spec(synced_state))
         self.replicated = NamedSharding(self.mesh, P())
@@ -162,8 +167,17 @@ class Island:
             out_shardings=self.replicated,
         )
 
-    def _init_fn(self, key: jax.Array) -> InnerState:
+    def _init_fn(self, key: jax.Array, stream: jax.Array) -> InnerState:
         _, synced, local = self.task.split(self.task.build_model(nnx.Rngs(key)))
+        local = jax.tree.map(  # the same parameters everywhere; RNG streams of their own
+            lambda x, is_key: (
+                jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(x), stream))
+                if is_key
+                else x
+            ),
+            local,
+            self._keys,
+        )
         return InnerState(synced, self.tx.init(select(synced, self.trainable_mask, True)), local)
 
     def _step_fn(self, state: InnerState, batch: Batch) -> tuple[InnerState, jax.Array]:
@@ -187,10 +201,14 @@ class Island:
     def _eval_fn(self, params: Params, local: Any, batch: Batch) -> dict[str, jax.Array]:
         return self.task.eval_metrics(self.graphdef, params, local, batch)
 
-    def init(self, seed: int) -> InnerState:
-        """Fresh parameters (same for the same seed on any mesh) and inner optimizer state."""
+    def init(self, seed: int, stream: int = 0) -> InnerState:
+        """Fresh parameters (same for the same seed on any mesh) and inner optimizer state.
+
+        `stream` (a learner's id) is folded into the model's RNG state (dropout), which is
+        per learner: the parameters do not depend on it.
+        """
         with jax.set_mesh(self.mesh):
-            return self._init(jax.random.key(seed))
+            return self._init(jax.random.key(seed), np.int32(stream))
 
     def put_batch(self, batch: Batch) -> Batch:
         """Moves a host batch onto this island's devices, split over the `data` axis."""

@@ -87,7 +87,8 @@ def _user_task(
     if task is not None and task.import_path and not task.import_path.startswith("builtin:"):
         config = config_lib.replace(config, task=task.import_path)
     processes = config.mode == "decoupled" or bool(config.chaos)
-    if processes and task is not None and not config.task:
+    builtin = task is not None and task.import_path.startswith("builtin:")  # from config.model
+    if processes and task is not None and not config.task and not builtin:
         raise config_lib.ConfigError(
             f"train_and_evaluate(task=...): mode {config.mode!r}"
             f"{' under faults' if config.chaos else ''} starts processes that must build the "

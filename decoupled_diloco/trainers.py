@@ -226,7 +226,7 @@ class DiLoCoTrainer:
             for i in range(config.num_learners)
         ]
         # Every island starts from the same parameters (same seed, any mesh).
-        self.states = [island.init(config.seed) for island in self.islands]
+        self.states = [island.init(config.seed, i) for i, island in enumerate(self.islands)]
         self.anchor = jax.device_get(self.states[0].params)
         # The syncer's outer round, on the whole model (`core.outer.outer_round`).
         self.outer = DiLoCoOuter(config, task)

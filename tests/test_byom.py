@@ -127,7 +127,8 @@ def test_batch_statistics_follow_the_policy_in_diloco(policy, cnn_config, cnn_ta
         assert "mean" not in trainer.global_params()["norm"]
         assert not np.allclose(stats[0]["norm"]["var"], stats[1]["norm"]["var"])
         assert not np.allclose(stats[0]["norm"]["var"], 1.0)  # moved from the init
-    assert all("dropout" in jax.device_get(s.local) for s in trainer.states)  # RNG: per learner
+    keys = [jax.device_get(s.local)["dropout"]["rngs"]["key"] for s in trainer.states]
+    assert not np.array_equal(keys[0], keys[1])  # RNG state: each learner its own stream
 
 
 class _Generator:
@@ -175,6 +176,10 @@ def test_a_task_that_cannot_travel_is_refused_before_anything_starts(tmp_path, c
     with pytest.raises(dd.ConfigError, match="cannot receive Python objects"):
         dd.train_and_evaluate(config, tmp_path, inner_optimizer=optax.sgd(0.1))
     assert not (tmp_path / "logs").exists()  # no process was started
+    # In one process, a user's task without data is refused (config.data is the built-ins').
+    bare = dataclasses.replace(task, dataset=None)
+    with pytest.raises(dd.ConfigError, match="carries no dataset"):
+        dd.train_and_evaluate(dataclasses.replace(cnn_config, task=""), None, task=bare)
 
 
 def test_config_checks_of_built_in_models_skip_a_user_task():

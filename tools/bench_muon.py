@@ -34,6 +34,7 @@ RUNS = [  # (label, optim overrides)
     ("Muon, lr 0.01", {"optim.name": "muon", "optim.lr": 0.01, "optim.adam_lr": 3e-3}),
     ("Muon, lr 0.02", {"optim.name": "muon", "optim.lr": 0.02, "optim.adam_lr": 3e-3}),
     ("Muon, lr 0.05", {"optim.name": "muon", "optim.lr": 0.05, "optim.adam_lr": 3e-3}),
+    ("Muon, lr 0.1", {"optim.name": "muon", "optim.lr": 0.1, "optim.adam_lr": 3e-3}),
 ]
 
 

@@ -142,10 +142,12 @@ def load_dataset(config: ExperimentConfig, preloaded: Any = None, task: Any = No
         return preloaded
     if preloaded is None and task is not None and task.dataset is not None:
         return task.dataset
-    if preloaded is None and config.task:
+    users = config.task or (task is not None and not task.import_path.startswith("builtin:"))
+    if preloaded is None and users:
         raise ConfigError(
-            f"config.task={config.task!r}: the task carries no dataset; give one to "
-            "Task.from_nnx(..., dataset=...) or pass dataset= to train_and_evaluate"
+            f"task {config.task or task.identity()!r} carries no dataset (config.data describes "
+            "the built-in models' data only); give one to Task.from_nnx(..., dataset=...) or "
+            "pass dataset= to train_and_evaluate"
         )
     if config.data.dataset == "text":
         corpus = preloaded or data_lib.load_corpus(config.data.path, config.data.val_fraction)

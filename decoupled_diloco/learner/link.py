@@ -211,9 +211,9 @@ class DecoupledSync:
         """
         if self._initial is not None or self._beat is not None:
             raise RuntimeError("DecoupledSync: already entered")
-        self.connect()
         if self._given is None:
             raise ValueError("DecoupledSync: `with` needs the params= argument")
+        self.connect()
         self._initial = self.join(self._given)
         self._given = None
         return self
@@ -305,6 +305,11 @@ class DecoupledSync:
           tokens: tokens the step trained on (all of this learner's devices together).
           loss: the step's loss (a device scalar is fine: read only by heartbeats).
         """
+        if self._initial is not None:
+            raise RuntimeError(
+                "DecoupledSync.step_done before the first apply_arrivals: train from the "
+                "global values it returns (params = sync.apply_arrivals(params))"
+            )
         self.step += 1
         self.tokens += tokens
         self._last = params

@@ -155,9 +155,10 @@ class Learner:
         self.startup["data_loaded"] = time.time()
         if self.checkpoints is not None:  # a restart resumes its checkpoint and data position
             self._mark("restoring")
-            state = self.checkpoints.restore(self, lambda: self.island.init(c.seed), batches)
+            fresh = lambda: self.island.init(c.seed, self.id)  # noqa: E731
+            state = self.checkpoints.restore(self, fresh, batches)
         else:
-            state = self.island.init(c.seed)
+            state = self.island.init(c.seed, self.id)
         self.startup["restored"] = time.time()
         # Start (or rejoin) from the syncer's global values, pulled by `connect`.
         params = self.sync.join(state.params, self.step, self.tokens)

@@ -8,6 +8,7 @@ What a call must carry and what is checked: `syncer.service`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pathlib
@@ -123,8 +124,11 @@ class SyncerServer:
                 "config.decoupled.syncer.tls_key: a TLS syncer needs its private key "
                 f"(tls_cert is {s.tls_cert!r})"
             )
-        cut, values = initial_fragments(config, task, initial_params)
+        builtin = task is None and not config.task  # then the cut and values are cached
         task = task or tasks.make_task(config)
+        if config.task and not task.import_path:  # learners name it by config.task
+            task = dataclasses.replace(task, import_path=config.task)
+        cut, values = initial_fragments(config, None if builtin else task, initial_params)
         owned = [p for p in range(len(cut)) if p % s.shards == shard]
         self.shard = shard
         self.state = SyncerState(
