@@ -179,7 +179,7 @@ def test_a_task_that_cannot_travel_is_refused_before_anything_starts(tmp_path, c
     # In one process, a user's task without data is refused (config.data is the built-ins').
     bare = dataclasses.replace(task, dataset=None)
     with pytest.raises(dd.ConfigError, match="carries no dataset"):
-        dd.train_and_evaluate(dataclasses.replace(cnn_config, task=""), None, task=bare)
+        dd.train_and_evaluate(dd.ExperimentConfig(mode="dp", num_learners=1), None, task=bare)
 
 
 def test_config_checks_of_built_in_models_skip_a_user_task():
