@@ -9,15 +9,9 @@ A training loop (the built-in `Learner`, or a user's own) owns one. In a user's 
             sync.step_done(params, tokens=n, loss=loss) # count it; push the fragments now due
     # leaving the block: the final flush, then close
 
-which is, spelled out (the built-in learner's loop):
-
-    sync.connect()                              # register; take the global fragments
-    params = sync.join(params)                  # start from them (heartbeats start)
-    for each step:
-        params = sync.apply_arrivals(params)    # merged fragments whose time has come
-        params, loss = train_step(params, batch)
-        sync.step_done(params, tokens, loss)    # count it; push the fragments now due
-    sync.flush(params); sync.close()            # push what is left; wait; leave
+The built-in `Learner` spells out what `with` does: `connect()` (register, take the global
+fragments), `join(params)` (start from them; heartbeats start), the same two calls per step,
+then `flush(params)` and `close()`.
 
 One fragment's round trip: when fragment p is due (staggered schedule, `core.fragments`),
 `step_done` copies its tensors to the host (or encodes Δ on the mesh, `core.compression`) and a
@@ -34,6 +28,7 @@ hooks (`_to_host`, `_place`, `_take_ready`) by collectives.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -55,6 +50,27 @@ from decoupled_diloco.learner.round_trip import Inbound, Outgoing, round_trip
 
 Params = Any
 _STEP_WINDOW = 10  # steps per measurement of the step time
+
+
+@functools.partial(jax.jit, static_argnames=("alpha",))
+def _merge_fragment(
+    merged: list[jax.Array],
+    local: list[jax.Array],
+    at_push: list[jax.Array | None],
+    unsent: list[jax.Array | None],
+    alpha: float,
+) -> list[jax.Array]:
+    """`core.outer.merge_back` over one fragment's tensors, compiled once per fragment."""
+    return [
+        outer.merge_back(m, x, at_push=a, unsent=u, alpha=alpha)
+        for m, x, a, u in zip(merged, local, at_push, unsent, strict=True)
+    ]
+
+
+@jax.jit
+def _copy(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Device copies of a fragment's tensors (the next step donates the originals)."""
+    return [jnp.copy(x) for x in leaves]
 
 
 class DecoupledSync:
@@ -276,14 +292,21 @@ class DecoupledSync:
             latest = inbound.pushed_at == self.last_push[p]
             at_push = self.at_push.pop(p, None) if d.keep_overlap else None
             unsent = residual is not None and latest
-            for j, (spec, value) in enumerate(zip(self.cut[p], inbound.values, strict=True)):
-                leaves[spec.index] = outer.merge_back(
-                    self._place(value, self.shardings[spec.index]),
-                    leaves[spec.index],
-                    at_push=at_push[j] if at_push is not None and latest else None,
-                    unsent=residual[spec.index] if unsent else None,
-                    alpha=d.alpha,
-                )
+            frag = self.cut[p]
+            merged = [
+                self._place(value, self.shardings[spec.index])
+                for spec, value in zip(frag, inbound.values, strict=True)
+            ]
+            # One compiled call per fragment (not a few eager ops per tensor).
+            new = _merge_fragment(
+                merged,
+                [leaves[s.index] for s in frag],
+                at_push if at_push is not None and latest else [None] * len(frag),
+                [residual[s.index] for s in frag] if unsent else [None] * len(frag),
+                alpha=d.alpha,
+            )
+            for spec, value in zip(frag, new, strict=True):
+                leaves[spec.index] = value
             self.encoder.in_params[p] = unsent
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
             self.applied.append(
@@ -418,7 +441,7 @@ class DecoupledSync:
             self.last_push[p] = self.step
         if self.config.decoupled.keep_overlap and not final:
             # A device copy: the next step donates these buffers.
-            self.at_push[p] = [jnp.copy(x) for x in leaves]
+            self.at_push[p] = _copy(leaves)
         if self.encoder.enabled:
             local = self.encoder.encode(p, self.anchor[p], leaves)
             self.compress_s += time.perf_counter() - t0
