@@ -78,6 +78,9 @@ def test_activation_must_match_the_spare_and_startup_counts_from_activation():
 def test_killed_learner_restarts_from_a_warm_standby(tmp_path):
     overrides = {"checkpoint.every": 20, "eval.every": 0, "supervisor.standby": 1}
     config = tiny_config(
+        # A user's task (experiments/examples/mnist_cnn.py: BatchNorm, dropout, grain data),
+        # imported by the spare, the learner and the syncer from `config.task`.
+        task="experiments.examples.mnist_cnn:make_task",
         mode="decoupled",
         num_learners=1,
         train_steps=STEPS,
