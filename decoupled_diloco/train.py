@@ -84,10 +84,10 @@ def _user_task(
       ConfigError: in a mode that starts processes (decoupled, or under faults), a task
         without an import path, or a dataset or optimizer given only as a Python object.
     """
-    if task is not None and task.import_path and not task.import_path.startswith("builtin:"):
+    builtin = task is not None and task.import_path.startswith("builtin:")  # from config.model
+    if task is not None and task.import_path and not builtin:
         config = config_lib.replace(config, task=task.import_path)
     processes = config.mode == "decoupled" or bool(config.chaos)
-    builtin = task is not None and task.import_path.startswith("builtin:")  # from config.model
     if processes and task is not None and not config.task and not builtin:
         raise config_lib.ConfigError(
             f"train_and_evaluate(task=...): mode {config.mode!r}"
@@ -175,9 +175,7 @@ def train_and_evaluate(
     val_batches = data.validation_batches(config.data.batch_size, config.eval.batches)
     workdir = pathlib.Path(workdir) if workdir is not None else None
     checkpoint_dir = workdir / "checkpoints" if workdir and config.checkpoint.every else None
-    trainer = build_trainer(
-        config, data, devices, checkpoint_dir, supervised_controls or (), task, task.inner_optimizer
-    )
+    trainer = build_trainer(config, data, devices, checkpoint_dir, supervised_controls or (), task)
     timeline = _timeline(config, workdir, fresh=not supervised, t_start=t_wall)
     _mark(timeline, "restoring")
     start_step = trainer.restore() if checkpoint_dir else 0
@@ -324,9 +322,7 @@ def _final_params(
     """The final global parameters of a supervised run, from its last checkpoint (if any)."""
     if not config.checkpoint.every:
         return None
-    trainer = build_trainer(
-        config, corpus, devices, workdir / "checkpoints", task=task, tx=task.inner_optimizer
-    )
+    trainer = build_trainer(config, corpus, devices, workdir / "checkpoints", task=task)
     trainer.restore()
     for checkpointer in trainer.checkpointers:
         checkpointer.close()
