@@ -357,3 +357,29 @@ def test_own_loop_syncs_through_a_syncer_started_from_the_command_line(tmp_path)
         assert procs[0].wait(timeout=30) == 0
     finally:
         _reap(procs)
+
+
+def test_a_merge_of_batch_statistics_is_not_refused_under_a_small_outer_lr():
+    """Statistics move by their mean (rate 1): the merged-step bound allows for it."""
+    from decoupled_diloco.syncer.records import Push
+    from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.syncer.state import SyncerState
+
+    data = mnist_cnn.ImageData()
+    task = tiny_task(data)
+    config = dd.replace(
+        dd.ExperimentConfig(mode="decoupled", num_learners=1, train_steps=10),
+        **{"outer.lr": 0.01, "outer.momentum": 0.0, "decoupled.fragments": 1},
+    )
+    cut, values = initial_fragments(config, task)
+    state = SyncerState(config, cut, values, is_averaged=task.is_averaged)
+    _, incarnation = state.register(0, "1x1")
+    var = [i for i, s in enumerate(cut[0]) if s.name == "norm/var"][0]
+    delta = [np.zeros_like(v) for v in values[0]]
+    delta[var] = values[0][var] * 0.9  # the learner's variances are a tenth of the initial ones
+    result = state.push(Push(0, 0, 0, 0, 5, 5, delta, incarnation=incarnation))
+    assert result.accepted, result
+    state.tick()
+    frag = state.fragments[0]
+    assert frag.version == 1 and frag.merges == 1, frag
+    np.testing.assert_allclose(frag.values[var], values[0][var] * 0.1, rtol=1e-6)

@@ -369,7 +369,9 @@ class SyncerState:
         new_values = jax.device_get(new_values)
         new_values = [np.asarray(new_values[s.name]) for s in frag.specs]
         o, s = self.config.outer, self.config.decoupled.syncer
-        bound = admission.merged_step_bound(frag.values, s.max_delta_norm, o.lr, o.momentum)
+        # Averaged state (batch statistics) moves by the mean itself: rate 1, no momentum.
+        lr = max(o.lr, 1.0 - o.momentum) if any(self._averaged[p]) else o.lr
+        bound = admission.merged_step_bound(frag.values, s.max_delta_norm, lr, o.momentum)
         error = admission.check_merged(frag.values, new_values, bound)
         if error:
             self._refuse_merge(p, pushes, error)
