@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.models.mesh import make_island_mesh
 from decoupled_diloco.optim import make_inner_optimizer
-from decoupled_diloco.tasks import Batch, Task, make_task
+from decoupled_diloco.tasks import Batch, Task, key_mask, make_task
 
 Params = Any  # the synced tree: a pure dict of the model's parameters (and synced statistics)
 
@@ -96,10 +96,7 @@ class Island:
             abstract_model = nnx.eval_shape(lambda: self.task.build_model(nnx.Rngs(0)))
         self.graphdef, synced_state, local_state = self.task.split_states(abstract_model)
         # Which leaves of the local tree are RNG keys (each learner folds in its own stream).
-        self._keys = jax.tree.map(
-            lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key),
-            nnx.to_pure_dict(local_state),
-        )
+        self._keys = key_mask(local_state)
         _, abstract_synced, abstract_local = self.task.split(abstract_model)
         specs = nnx.to_pure_dict(nnx.get_partition_spec(synced_state))
         self.replicated = NamedSharding(self.mesh, P())

@@ -138,10 +138,7 @@ class Task:
             )
         model = _abstract_model(build_model)
         synced_filter = _synced_filter(state_policy)
-        is_key = jax.tree.map(
-            lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key),
-            nnx.to_pure_dict(nnx.split(model, synced_filter, ...)[2]),
-        )
+        is_key = key_mask(nnx.split(model, synced_filter, ...)[2])
 
         def forward(graphdef, synced, local, batch, train: bool):
             module = nnx.merge(graphdef, synced, _wrap_keys(local, is_key))
@@ -153,7 +150,7 @@ class Task:
 
         def train_loss(graphdef, synced, local, batch):
             _, loss, aux, synced_after, local_after = forward(graphdef, synced, local, batch, True)
-            return loss, (synced_after, _raw_keys(local_after, is_key), aux)
+            return loss, (synced_after, jax.tree.map(_raw_key, local_after), aux)
 
         def eval_metrics(graphdef, synced, local, batch):
             module, loss, aux, _, _ = forward(graphdef, synced, local, batch, False)
@@ -271,8 +268,11 @@ def _raw_key(x: Any) -> Any:
     return jax.random.key_data(x)
 
 
-def _raw_keys(local: PyTree, is_key: PyTree) -> PyTree:
-    return jax.tree.map(lambda x, k: jax.random.key_data(x) if k else x, local, is_key)
+def key_mask(local: nnx.State) -> PyTree:
+    """A bool tree like `local`'s pure dict: which leaves are typed PRNG keys."""
+    return jax.tree.map(
+        lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key), nnx.to_pure_dict(local)
+    )
 
 
 def _one_device_mesh() -> jax.sharding.Mesh:
