@@ -575,7 +575,11 @@ def test_a_merge_that_would_poison_the_fragment_is_refused(tmp_path):
 
 
 def test_push_bytes_in_flight_are_bounded_and_the_refusal_is_retryable(hp, server, peer):
-    """Row 7: reservations come from the headers; past the bound a push waits (retryable)."""
+    """Row 7: reservations come from the headers; past the bound a push waits for room.
+
+    While the bound stays full for the whole idle bound the waiting push is refused
+    (retryable); once room frees, a waiting push goes on.
+    """
     from decoupled_diloco.comm import retry
 
     specs = server.state.fragments[0].specs
@@ -586,11 +590,15 @@ def test_push_bytes_in_flight_are_bounded_and_the_refusal_is_retryable(hp, serve
     before = snapshot(server.state)
 
     def slow(rnd):
-        chunks = peer.chunks(specs, small(specs), rnd=rnd, chunk=per_push // 2)
+        chunks = peer.chunks(specs, small(specs), rnd=rnd, chunk=16)
+        assert len(chunks) > 200  # enough to keep the stream moving for 20 s and more
 
         def gen():
             yield chunks[0]  # the header: its bytes are reserved now
-            release.wait(30)
+            for piece in chunks[1:-1]:  # a few bytes now and then: never idle, never done
+                if release.wait(0.1):
+                    return
+                yield piece
 
         return gen()
 
@@ -601,11 +609,27 @@ def test_push_bytes_in_flight_are_bounded_and_the_refusal_is_retryable(hp, serve
         while guard.stats()["bytes_in_flight"] < held * per_push:
             assert time.monotonic() < wait_until_reserved, guard.stats()
             time.sleep(0.02)
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError) as info:  # the bound stays full: refused in the end
             peer.push_raw(peer.chunks(specs, small(specs), rnd=950))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "in flight" in info.value.details() and retry.retryable(info.value)
         assert guard.stats()["bytes_in_flight"] <= guard.max_bytes
+        # A push that waits while the holders go on gets its room once they end: it is then
+        # read and checked (this one's checksum is wrong, so it changes nothing either).
+        bad = peer.chunks(specs, small(specs), rnd=951)
+        last = hp.PushChunk.FromString(bad[-1])
+        last.payload_crc32 ^= 1
+        waiter = peer.channel.stream_unary(SERVICE + "Push", request_serializer=None).future(
+            iter([*bad[:-1], last.SerializeToString()]), metadata=peer.md, timeout=30
+        )
+        while guard.waiting < 1:
+            assert not waiter.done() and time.monotonic() < wait_until_reserved + 30
+            time.sleep(0.02)
+        release.set()
+        with pytest.raises(grpc.RpcError) as info:
+            waiter.result(timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "checksum" in info.value.details()
     finally:
         release.set()
         for f in pending:

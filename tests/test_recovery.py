@@ -84,7 +84,7 @@ def test_restarted_syncer_resumes_its_commits_and_counts_a_retried_push_once(tmp
         assert version == 1
         assert _push(client, server, 0, 0, 0, seed=3).accepted  # pending (quorum 2)
         assert server.committer.syncs >= 1
-        pending_delta = [x.copy() for x in server.state.fragments[0].pending[0].delta]
+        pending_delta = server.state.pending_gradient(0, 0)
     finally:
         client.close()
         server.stop(0)  # no final commit: everything acknowledged is on disk already
@@ -99,7 +99,7 @@ def test_restarted_syncer_resumes_its_commits_and_counts_a_retried_push_once(tmp
             np.testing.assert_array_equal(got, want)
         status = client.status()
         assert status["fragments"][0]["pending"] == [0]
-        for got, want in zip(again.state.fragments[0].pending[0].delta, pending_delta, strict=True):
+        for got, want in zip(again.state.pending_gradient(0, 0), pending_delta, strict=True):
             np.testing.assert_array_equal(got, want)
         retried = _push(client, again, 0, 0, 0, seed=3)  # its reply was "lost": sent again
         assert retried.duplicate

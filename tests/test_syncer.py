@@ -235,7 +235,7 @@ def test_stale_push_within_bound_is_anchored_as_configured(syncer):
     stale = _deltas(specs, 3)
     reply = _push(client, specs, stale, learner=1, rnd=1, base=0)
     assert reply.accepted and reply.version == 1
-    pending = server.state.fragments[0].pending[1].delta
+    pending = server.state.pending_gradient(0, 1)
     by_syncer = server.state.config.decoupled.stale_anchor == "syncer"
     for got, t0, t1, d in zip(pending, theta0, theta1, stale, strict=True):
         want = t1 - (t0 - d) if by_syncer else d  # re-anchored, or the learner's own Δ

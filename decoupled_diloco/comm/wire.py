@@ -251,29 +251,41 @@ def decode_payload(
         raise PayloadError(f"payload has {len(payload)} bytes, headers describe {expected}")
     arrays, offset = [], 0
     for header, spec in zip(tensors, specs, strict=True):
-        codec, n = codec_of(header), math.prod(spec.shape)
-        sections, at = {}, offset
-        for name, dtype, count in compression.layout(codec, n, spec.dtype):
-            dtype = dtype.newbyteorder("<")
-            sections[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=at)
-            at += count * dtype.itemsize
-        if codec.scheme == "none":
-            flat = sections["values"]
-            # One cheap pass (a sum is NaN/inf if any element is); the exact check only on
-            # alarm, so a huge-but-finite tensor whose sum overflows is still accepted.
-            if require_finite:
-                with np.errstate(over="ignore", invalid="ignore"):
-                    alarm = not np.isfinite(flat.sum())
-                if alarm and not np.isfinite(flat).all():
-                    raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
-        else:
-            try:
-                flat = compression.decode(sections, n, codec)
-            except compression.CodecError as error:
-                raise PayloadError(f"{spec.name}: {codec.scheme} payload: {error}") from None
-        arrays.append(flat.reshape(spec.shape).astype(np.dtype(spec.dtype), copy=False))
+        piece = memoryview(payload)[offset : offset + header.payload_bytes]
+        arrays.append(decode_tensor(piece, codec_of(header), spec, require_finite))
         offset += header.payload_bytes
     return arrays
+
+
+def decode_tensor(
+    data: bytes | memoryview, codec: Codec, spec: TensorSpec, require_finite: bool = True
+) -> np.ndarray:
+    """Decodes one tensor's bytes (its `compression.layout` sections) into an array of `spec`.
+
+    Raises:
+      PayloadError: content no encoder would produce, or (with `require_finite`) a NaN or
+        infinity.
+    """
+    n, sections, at = math.prod(spec.shape), {}, 0
+    for name, dtype, count in compression.layout(codec, n, spec.dtype):
+        dtype = dtype.newbyteorder("<")
+        sections[name] = np.frombuffer(data, dtype=dtype, count=count, offset=at)
+        at += count * dtype.itemsize
+    if codec.scheme == "none":
+        flat = sections["values"]
+        # One cheap pass (a sum is NaN/inf if any element is); the exact check only on alarm,
+        # so a huge-but-finite tensor whose sum overflows is still accepted.
+        if require_finite:
+            with np.errstate(over="ignore", invalid="ignore"):
+                alarm = not np.isfinite(flat.sum())
+            if alarm and not np.isfinite(flat).all():
+                raise PayloadError(f"{spec.name}: non-finite values (NaN or infinity)")
+    else:
+        try:
+            flat = compression.decode(sections, n, codec)
+        except compression.CodecError as error:
+            raise PayloadError(f"{spec.name}: {codec.scheme} payload: {error}") from None
+    return flat.reshape(spec.shape).astype(np.dtype(spec.dtype), copy=False)
 
 
 def server_credentials(config: SyncerConfig) -> grpc.ServerCredentials | None:

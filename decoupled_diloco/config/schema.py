@@ -201,8 +201,10 @@ class SyncerConfig:
       max_delta_norm: a push whose outer-gradient norm exceeds this times its fragment's norm
         is refused (`syncer.admission`); honest outer gradients stay far below it.
       max_weight_share: in a merge of 2+ pushes, no push's token-weight share exceeds this.
-      max_inflight_bytes: push payload bytes the syncer buffers at once (0: twice
-        `num_learners` times the largest fragment); beyond it pushes wait and retry.
+      max_inflight_bytes: push payload bytes the syncer receives at once (0: twice
+        `num_learners` times the largest fragment); they go to its push store on disk as they
+        arrive, not to memory. Beyond it a push waits for room, and is refused (retryable)
+        if none frees within `stream_idle_s`.
       max_streams_per_learner: data calls one learner may hold open (0: what its link opens at
         most, fragments · (max_unsent + 1) + 2).
       stream_idle_s: a push or pull stream that moves nothing this long is cut.

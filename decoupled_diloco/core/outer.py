@@ -68,26 +68,36 @@ def bounded_shares(weights: Sequence[float], cap: float) -> list[float]:
     a zero share. Computed in float64 on the host: no weight
     can overflow. All-zero weights give all-zero shares (a merge that moves nothing).
     """
+    return shares_and_factor(weights, cap)[0]
+
+
+def shares_and_factor(weights: Sequence[float], cap: float) -> tuple[list[float], float]:
+    """`bounded_shares`, and the factor c with share = c · weight for every entry not capped.
+
+    c is 0 when no entry is proportional to its weight (all capped, or equal shares); the
+    syncer folds weights as pushes arrive and rescales its sums by c when the round closes.
+    """
     w = [float(x) if math.isfinite(float(x)) and float(x) > 0 else 0.0 for x in weights]
     total = math.fsum(w)
     if not total > 0:
-        return [0.0] * len(w)
+        return [0.0] * len(w), 0.0
     positive = [i for i, x in enumerate(w) if x > 0]  # zero weights keep a zero share
     if cap * len(positive) <= 1.0:
-        return [1.0 / len(positive) if x > 0 else 0.0 for x in w]
-    shares, fixed = [x / total for x in w], set()
+        return [1.0 / len(positive) if x > 0 else 0.0 for x in w], 0.0
+    shares, fixed, factor = [x / total for x in w], set(), 1.0 / total
     while True:
         over = {i for i, s in enumerate(shares) if s > cap and i not in fixed}
         if not over:
-            return shares
+            return shares, factor
         fixed |= over
         free = [i for i in positive if i not in fixed]
         rest = 1.0 - cap * len(fixed)
         free_total = math.fsum(w[i] for i in free)
+        factor = rest / free_total
         for i in fixed:
             shares[i] = cap
         for i in free:
-            shares[i] = rest * w[i] / free_total
+            shares[i] = factor * w[i]
 
 
 def _normalized(weights: Sequence[float] | jax.Array) -> jax.Array:

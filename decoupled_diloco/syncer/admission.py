@@ -65,11 +65,9 @@ def norm_bound(values: Sequence[np.ndarray], ratio: float) -> float:
     return ratio * max(norm(values), NORM_FLOOR * math.sqrt(max(n, 1)))
 
 
-def check_delta(
-    delta: Sequence[np.ndarray], values: Sequence[np.ndarray], ratio: float
-) -> str | None:
-    """Refuses an outer gradient whose norm exceeds `norm_bound(values, ratio)`."""
-    got, bound = norm(delta), norm_bound(values, ratio)
+def check_norm(got: float, values: Sequence[np.ndarray], ratio: float) -> str | None:
+    """Refuses an outer-gradient norm `got` above `norm_bound(values, ratio)`."""
+    bound = norm_bound(values, ratio)
     if not got <= bound:
         return (
             f"outer-gradient norm {got:.4g} exceeds the bound {bound:.4g} "

@@ -25,16 +25,16 @@ import threading
 import time
 from typing import Any
 
-import jax
 import numpy as np
 from absl import logging
 
 from decoupled_diloco.checkpointing import IslandCheckpointer
 from decoupled_diloco.syncer import wal
-from decoupled_diloco.syncer.records import LearnerInfo, Push, PushResult
+from decoupled_diloco.syncer.payloads import Payload
+from decoupled_diloco.syncer.records import LearnerInfo, Pending, PushResult
 from decoupled_diloco.syncer.state import SyncerState
 
-FORMAT = 1
+FORMAT = 2  # 2: outer gradients of open rounds in the push store, optimizer state flat
 
 
 def snapshot(
@@ -48,21 +48,27 @@ def snapshot(
     tree, fragments, published = {}, {}, {}
     for p in sorted(state.owned):
         f = state.fragments[p]
+        pending, in_memory = [], {}
+        for x in f.pending.values():  # in fold order: a restore folds them again in it
+            pending.append(x.describe())
+            for j, (_, payload) in enumerate(x.parts):
+                if not payload.path:  # an in-process caller's arrays: saved as arrays
+                    in_memory[f"l{x.learner_id}p{j}"] = list(payload.arrays)
         tree[f"f{p}"] = {
             "values": list(f.values),
-            "opt": list(jax.tree.leaves(f.opt_state)),
-            "history": {f"v{v}": list(x) for v, x in f.history.items()},
-            "pending": {f"l{i}": list(x.delta) for i, x in f.pending.items()},
+            "opt": list(f.opt_state),
+            "history": {
+                f"v{v}": {f"t{t}": a for t, a in kept.items()} for v, kept in f.history.items()
+            },
+            "pending": in_memory,
         }
         fragments[str(p)] = {
             "version": f.version,
             "merges": f.merges,
             "late": f.late,
             "duplicates": f.duplicates,
-            "pending": [
-                {k: v for k, v in dataclasses.asdict(x).items() if k != "delta"}
-                for x in f.pending.values()
-            ],
+            "refused_merges": f.refused_merges,
+            "pending": pending,
         }
         published[p] = (f.version, f.values)
     learners = {}
@@ -116,21 +122,37 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
     with state.lock:
         for p in sorted(state.owned):
             f, saved, info = state.fragments[p], tree[f"f{p}"], meta["fragments"][str(p)]
-            f.values = _arrays(saved["values"], f.specs, f"fragment {p}")
-            template = jax.device_get(state.tx.init(state._tree(f, f.values)))
-            leaves = [np.asarray(x) for x in saved["opt"]]
-            f.opt_state = jax.tree.unflatten(jax.tree.structure(template), leaves)
+            values = _arrays(saved["values"], f.specs, f"fragment {p}")
+            f.set_flat(np.concatenate([v.reshape(-1) for v in values]).astype(np.float32))
+            f.opt_state = [np.asarray(x) for x in saved["opt"]]
+            template = state._steps[p].init()
+            if [x.shape for x in f.opt_state] != [x.shape for x in template]:
+                raise ValueError(
+                    f"syncer checkpoint fragment {p}: outer optimizer state of shapes "
+                    f"{[x.shape for x in f.opt_state]}, the configured optimizer has "
+                    f"{[x.shape for x in template]} (was config.outer changed since?)"
+                )
             f.history = {
-                int(k[1:]): _arrays(v, f.specs, f"fragment {p} history")
-                for k, v in saved["history"].items()
+                int(k[1:]): {int(t[1:]): np.asarray(a) for t, a in kept.items()}
+                for k, kept in saved["history"].items()
             }
-            f.pending = {}
-            for entry in info["pending"]:
-                delta = _arrays(saved["pending"][f"l{entry['learner_id']}"], f.specs, "pending")
-                f.pending[entry["learner_id"]] = Push(**entry, delta=delta)
             f.version = f.published = info["version"]
             f.published_values = f.values
             f.merges, f.late, f.duplicates = info["merges"], info["late"], info["duplicates"]
+            f.refused_merges = info.get("refused_merges", 0)
+            f.pending, f.round = {}, None
+            for entry in info["pending"]:
+                parts = []
+                for j, (base, described) in enumerate(entry["parts"]):
+                    if described["path"]:
+                        payload = Payload.described(described, f.specs, state.store)
+                    else:
+                        arrays = saved["pending"][f"l{entry['learner_id']}p{j}"]
+                        payload = Payload.of_arrays(f.specs, _arrays(arrays, f.specs, "pending"))
+                    parts.append((base, payload))
+                pending = Pending(**{**entry, "parts": parts})
+                state._fold(p, pending)
+                f.pending[pending.learner_id] = pending
             # Open rounds start their timing again; the closer thread re-checks the quorum.
             f.first_push_t = now if f.pending else None
             f.quorum_t = f.closed_t = None
@@ -216,6 +238,15 @@ class Committer:
                         wal.apply(self.state, header, arrays)
                         self.replayed += 1
             self.state.committed_seq = self.state.seq
+            if self.state.store is not None:  # files nothing refers to go once they are old
+                referenced = {
+                    pathlib.Path(payload.path).name
+                    for f in self.state.fragments
+                    for x in f.pending.values()
+                    for _, payload in x.parts
+                    if payload.path
+                }
+                self.state.store.adopt(referenced, self.state.seq)
         if found is None and not logs:
             return None
         return self.state.seq
@@ -248,6 +279,8 @@ class Committer:
         for path in self._logs(0):  # logs older than every kept snapshot are not needed
             if kept and int(path.stem) < kept[0]:
                 path.unlink(missing_ok=True)
+        if kept and self.state.store is not None:  # nor pushes merged before all of them
+            self.state.store.purge(kept[0])
         self.snapshots += 1
         self.snapshot_time_s += time.perf_counter() - t0
 

@@ -10,7 +10,9 @@ control calls (Register, Heartbeat, Status) time out behind them. `Guard` keeps:
   RESOURCE_EXHAUSTED;
 - **streams per caller**: at most `per_caller` data calls per identity (`comm.auth`);
 - **bytes in flight**: pushes reserve the payload size their header declares before a byte of
-  it is buffered; past `max_bytes` in total a push is refused (RESOURCE_EXHAUSTED);
+  it is buffered; past `max_bytes` in total a push waits for room (its sender is held back by
+  gRPC's flow control meanwhile), and is refused (RESOURCE_EXHAUSTED) if none frees within
+  the idle bound;
 - **idle cuts**: a stream that moves nothing for `idle_s` seconds (a push that sends no chunk,
   a pull whose reader takes none) is cancelled; a pull's own bounded wait for a merge is not
   idleness.
@@ -52,17 +54,28 @@ class Activity:
         self.last = None
 
     def reserve(self, nbytes: int) -> None:
-        """Reserves `nbytes` of push buffer; aborts RESOURCE_EXHAUSTED beyond the bound."""
+        """Reserves `nbytes` of push buffer, waiting up to the idle bound for room.
+
+        Aborts RESOURCE_EXHAUSTED if there is none by then (or never can be: `nbytes` alone
+        exceeds the bound).
+        """
         g = self.guard
+        deadline = g.clock() + g.idle_s
         with g.lock:
-            if g.bytes_in_flight + nbytes > g.max_bytes:
-                g.refused += 1
-                busy = g.bytes_in_flight
-            else:
-                g.bytes_in_flight += nbytes
-                g.peak_bytes = max(g.peak_bytes, g.bytes_in_flight)
-                self.reserved += nbytes
-                return
+            while True:
+                if g.bytes_in_flight + nbytes <= g.max_bytes:
+                    g.bytes_in_flight += nbytes
+                    g.peak_bytes = max(g.peak_bytes, g.bytes_in_flight)
+                    self.reserved += nbytes
+                    return
+                left = deadline - g.clock()
+                if nbytes > g.max_bytes or left <= 0 or not self.context.is_active():
+                    break
+                g.waiting += 1
+                g.lock.wait(min(left, 1.0))  # a finished call notifies
+                g.waiting -= 1
+            g.refused += 1
+            busy = g.bytes_in_flight
         logging.log_every_n_seconds(
             logging.WARNING, "[syncer] push of %d bytes waits: %d in flight", 5.0, nbytes, busy
         )
@@ -105,11 +118,11 @@ class Guard:
             idle_s,
         )
         self.clock = clock
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.active: set[Activity] = set()
         self.by_caller: dict[int, int] = {}
         self.bytes_in_flight = self.peak_bytes = 0
-        self.refused = self.idle_cuts = 0
+        self.refused = self.idle_cuts = self.waiting = 0
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="guard", daemon=True)
         self._watcher.start()
@@ -151,6 +164,8 @@ class Guard:
                 if not self.by_caller[caller]:
                     del self.by_caller[caller]
                 self.bytes_in_flight -= activity.reserved
+                if activity.reserved:
+                    self.lock.notify_all()  # a push waiting for room may go on
 
     def _watch(self) -> None:
         period = max(min(self.idle_s / 4, 1.0), 0.01)

@@ -6,6 +6,7 @@ Plain data and small pure functions, shared by the state, its write-ahead log an
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,11 @@ class Ema:
 
 @dataclasses.dataclass
 class Push:
-    """One validated push: the learner's outer gradient of one fragment and its counters."""
+    """One validated push: the learner's outer gradient of one fragment and its counters.
+
+    `delta` is a `syncer.payloads.Payload` (the server's: the bytes as received, stored), or a
+    list of arrays, one per tensor of the fragment (in-process callers and tests).
+    """
 
     learner_id: int
     fragment: int
@@ -47,8 +52,37 @@ class Push:
     base_version: int
     steps: int
     tokens: int
-    delta: list[np.ndarray]
+    delta: Any
     incarnation: int = 0  # of the registration that sent it (`SyncerState.register`)
+
+
+@dataclasses.dataclass
+class Pending:
+    """A learner's push waiting in its fragment's open round.
+
+    Attributes:
+      parts: (base version, payload) of the outer gradients it holds: one, or (anchored at
+        different versions, with `stale_anchor="learner"`) several whose progress adds up.
+      weight: its token weight (tokens²/steps of all parts together).
+      coef: its coefficient in the round's sums (`core.accumulate.RoundSum`), relative to the
+        round's first weight; 0: not folded (held back, added when the round closes).
+    """
+
+    learner_id: int
+    round: int
+    base_version: int
+    steps: int
+    tokens: int
+    incarnation: int
+    parts: list[tuple[int, Any]]
+    weight: float
+    coef: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        """What the write-ahead log and snapshots record of it (JSON)."""
+        entry = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("parts", "coef")}
+        entry["parts"] = [[base, payload.describe()] for base, payload in self.parts]
+        return entry
 
 
 @dataclasses.dataclass
@@ -88,21 +122,39 @@ class FragmentState:
 
     Args:
       specs: the fragment's tensor specs.
-      values: its global values (own copies: merges never share them).
-      opt_state: the outer optimizer's state for them (host arrays).
+      flat: its global values as one float32 vector (its own copy: merges never share it);
+        `values` are views of it, one per tensor.
+      opt_state: the outer optimizer's state for it (`core.accumulate.FlatStep`: numpy leaves).
     """
 
-    def __init__(self, specs: list[Any], values: list[np.ndarray], opt_state: Any):
-        self.specs, self.values, self.opt_state = specs, values, opt_state
+    def __init__(self, specs: list[Any], flat: np.ndarray, opt_state: list[np.ndarray]):
+        self.specs, self.opt_state = specs, opt_state
+        self.set_flat(flat)
         self.version = 0
         # What learners may see (pull, register, heartbeat, status): with a durable syncer, a
         # merged version is published only once a checkpoint holding it is on disk.
         self.published, self.published_values = 0, self.values
-        self.history = {0: self.values}
-        self.pending: dict[int, Push] = {}
+        # version -> {tensor index: values}: what re-anchoring stale pushes needs (all tensors
+        # with stale_anchor="syncer", else only the averaged ones; nothing if none).
+        self.history: dict[int, dict[int, np.ndarray]] = {}
+        self.pending: dict[int, Pending] = {}
+        self.round: Any = None  # `core.accumulate.RoundSum` of the open round, if any
+        self.first_weight = 0.0  # the open round's first token weight (coefficients' unit)
         self.first_push_t = self.quorum_t = self.closed_t = None
         # version -> learners whose pushes it merged and that have not pulled it yet: only
         # their pulls are return trips (ξ_sync); anyone else's pull of it is just catching up.
         self.awaiting_sync: dict[int, set[int]] = {}
         self.grace_s = 0.0
         self.merges = self.late = self.duplicates = self.refused_merges = 0
+
+    def set_flat(self, flat: np.ndarray) -> None:
+        """Installs new global values (`values` become views of `flat`)."""
+        self.flat = flat
+        if flat.size == 0:  # a fragment another shard owns: no values
+            self.values = [flat] * len(self.specs)
+            return
+        self.values, at = [], 0
+        for s in self.specs:
+            n = math.prod(s.shape)
+            self.values.append(flat[at : at + n].reshape(s.shape))
+            at += n

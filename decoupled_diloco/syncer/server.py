@@ -25,6 +25,7 @@ from decoupled_diloco import tasks
 from decoupled_diloco.comm import wire
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import fragments as F
+from decoupled_diloco.syncer.payloads import PushStore
 from decoupled_diloco.syncer.service import SyncerService, add_service, control_slots, data_slots
 from decoupled_diloco.syncer.state import SyncerState
 
@@ -141,6 +142,12 @@ class SyncerServer:
             merge_hook=merge_hook,
         )
         self.committer = self.restored_step = None
+        # Pushes of open rounds, as received: in the checkpoint directory (synced) when there
+        # is one, else in a temporary directory.
+        self.state.store = PushStore(
+            pathlib.Path(checkpoint_dir) / "pushes" if checkpoint_dir else None,
+            durable=bool(checkpoint_dir),
+        )
         if checkpoint_dir:
             from decoupled_diloco.syncer.durability import Committer
 
@@ -207,3 +214,4 @@ class SyncerServer:
         self.service.control.close()
         if self.committer is not None:
             self.committer.stop()
+        self.state.store.close()

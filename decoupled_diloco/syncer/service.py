@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import threading
+import math
 import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 from absl import logging
 
 from decoupled_diloco.comm import auth, wire
@@ -32,6 +31,7 @@ from decoupled_diloco.core.compression import Codec
 from decoupled_diloco.syncer import admission
 from decoupled_diloco.syncer.downlink import Downlink
 from decoupled_diloco.syncer.guard import Guard
+from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import Push
 from decoupled_diloco.syncer.state import PushRefused, SyncerState
 
@@ -73,9 +73,6 @@ class SyncerService(pb_grpc.SyncerServicer):
         self.committer: Any = None  # set by `SyncerServer` when the state is durable
         config = state.config
         self.syncer_config = s = config.decoupled.syncer
-        # Encoded pull chunks per (fragment, version): encoded once, shared by every learner.
-        self._encoded: dict[tuple[int, int], list[bytes]] = {}
-        self._encode_lock = threading.Lock()
         z = config.compression
         # Compressed downlink: per-learner differences from the copy each one holds.
         lossy = z.downlink and z.scheme != "none"
@@ -299,11 +296,45 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(context, _INVALID, f"base version {h.base_version} is from the future")
         if h.base_version < 0:
             self._refuse(context, _INVALID, f"base version {h.base_version} is negative")
-        # The buffer is sized from what the headers declared; compressed tensors are decoded into
-        # arrays of the fragment's own size as well.
-        decoded = sum(x.nbytes for x in frag.specs)
-        activity.reserve(expected + (decoded if decoded != expected else 0))
-        payload = memoryview(np.empty(expected, np.uint8))  # (no zero fill: every byte is written)
+        # The bytes go to a file of the push store as they arrive (never a buffer of the
+        # whole payload in memory), as many as the headers declared; they are read back and
+        # decoded one tensor at a time.
+        activity.hold()  # waiting for room is the syncer's doing, not idleness
+        activity.reserve(expected)
+        activity.touch()
+        file = self.state.store.create()
+        try:
+            push = self._receive(h, first, request_iterator, context, activity, file, expected)
+        except BaseException:
+            file.abort()
+            raise
+        try:
+            result = self.state.push(push)
+        except PushRefused as error:
+            self.state.store.drop(push.delta.path)
+            self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
+        if result.duplicate or not result.accepted:
+            self.state.store.drop(push.delta.path)  # the state did not keep it
+        self._durable(context)  # acknowledged only once a restart cannot lose it
+        return pb.PushReply(
+            accepted=result.accepted,
+            duplicate=result.duplicate,
+            reason=result.reason,
+            version=result.version,
+        )
+
+    def _receive(
+        self,
+        h: pb.PushHeader,
+        first: pb.PushChunk,
+        request_iterator: Iterator[bytes],
+        context: grpc.ServicerContext,
+        activity: Any,
+        file: Any,
+        expected: int,
+    ) -> Push:
+        """Reads a push's chunks into `file` and checks them; the push, its payload stored."""
+        frag = self.state.fragments[h.fragment]
         at, crc, claimed = 0, 0, None
         for seq, raw in enumerate(itertools.chain([first], request_iterator)):
             activity.touch()
@@ -316,7 +347,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 data, claimed = self._data_chunk(raw, seq, context)
             if at + len(data) > expected:
                 self._refuse(context, _INVALID, f"payload passed its declared {expected} bytes")
-            payload[at : at + len(data)] = data
+            file.write(data)
             at += len(data)
             crc = zlib.crc32(data, crc)
         activity.hold()  # complete: the merge and the commit wait are the syncer's, not idleness
@@ -326,14 +357,18 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(context, _INVALID, "the last chunk must carry payload_crc32")
         if crc != claimed:
             self._refuse(context, _INVALID, "payload checksum (payload_crc32) does not match")
+        path = file.finish()
+        delta = Payload(frag.specs, [wire.codec_of(t) for t in h.tensors], path=path)
         try:  # decodes (and checks) every tensor before the state sees any of them
-            delta = wire.decode_payload(payload, h.tensors, frag.specs)
+            total = sum(admission.norm([x]) ** 2 for x in delta.tensors(check=True))
         except wire.PayloadError as error:
             self._refuse(context, _INVALID, f"fragment {h.fragment}: {error}")
-        error = admission.check_delta(delta, frag.values, self.syncer_config.max_delta_norm)
+        error = admission.check_norm(
+            math.sqrt(total), frag.values, self.syncer_config.max_delta_norm
+        )
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
-        push = Push(
+        return Push(
             h.learner_id,
             h.fragment,
             h.round,
@@ -342,17 +377,6 @@ class SyncerService(pb_grpc.SyncerServicer):
             h.tokens,
             delta,
             incarnation=h.incarnation,
-        )
-        try:
-            result = self.state.push(push)
-        except PushRefused as error:
-            self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
-        self._durable(context)  # acknowledged only once a restart cannot lose it
-        return pb.PushReply(
-            accepted=result.accepted,
-            duplicate=result.duplicate,
-            reason=result.reason,
-            version=result.version,
         )
 
     def _data_chunk(
@@ -372,18 +396,6 @@ class SyncerService(pb_grpc.SyncerServicer):
         if got != seq:
             self._refuse(context, _INVALID, f"chunk {seq} arrived as seq {got} (reordered or lost)")
         return data, claimed
-
-    def _payload(self, p: int, version: int, values: list[np.ndarray]) -> list[bytes]:
-        """The chunks of one fragment version, cut once and shared by every learner's pull."""
-        with self._encode_lock:
-            key = (p, version)
-            if key not in self._encoded:
-                self._encoded = {k: v for k, v in self._encoded.items() if k[0] != p}
-                chunk_bytes = self.syncer_config.chunk_bytes
-                self._encoded[key] = list(wire.chunk_arrays(values, chunk_bytes))
-                tail = self._encoded[key][1:]
-                self._encoded[key][1:] = [wire.data_chunk(wire.PULL_DATA_TAG, c) for c in tail]
-            return self._encoded[key]
 
     def Pull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
         identity = self._authorize(context)
@@ -423,15 +435,19 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.state.record_sync_time(request.fragment, version, request.learner_id)
 
     def _full_pull(self, p: int, version: int, values: list, specs: list) -> Iterator[Any]:
-        pieces = self._payload(p, version, values)
+        # Cut from the published values as the reader takes them (a chunk at a time, nothing
+        # cached: a merged version is never changed in place, and a copy per fragment would
+        # cost the model's size again).
+        pieces = wire.chunk_arrays(values, self.syncer_config.chunk_bytes)
         yield pb.FragmentChunk(
             fragment=p,
             version=version,
             tensors=wire.headers(specs),
             total_bytes=sum(s.nbytes for s in specs),
-            data=pieces[0],
+            data=next(pieces),
         )
-        yield from pieces[1:]  # already encoded data-only chunks
+        for piece in pieces:
+            yield wire.data_chunk(wire.PULL_DATA_TAG, piece)
 
     def _compressed_pull(
         self, request: pb.PullRequest, version: int, values: list, specs: list

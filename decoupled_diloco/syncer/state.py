@@ -1,12 +1,19 @@
 """The syncer's state and rules, without any transport: fragments, rounds, quorum, grace, merge.
 
-Per fragment p the syncer holds the global values Θ_p (host numpy), the outer optimizer state
-and a version. Learners push outer gradients Δ anchored at the version they hold; a round of
-fragment p collects pushes and closes once `quorum` live learners have pushed and the adaptive
-grace window has passed (or every live learner has pushed). Closing merges the outer gradients
-with token weights w = tokens²/steps (RDA, or the weighted mean for the task's mean-only
-tensors) and applies the outer step, all in `core.outer.outer_round` (the one the synchronous
-`diloco` trainer calls too), and bumps the version.
+Per fragment p the syncer holds the global values Θ_p (one float32 host vector), the outer
+optimizer state and a version. Learners push outer gradients Δ anchored at the version they
+hold; a round of fragment p collects pushes and closes once `quorum` live learners have pushed
+and the adaptive grace window has passed (or every live learner has pushed). Closing merges the
+outer gradients with token weights w = tokens²/steps (RDA, or the weighted mean for the task's
+mean-only tensors), applies the outer step and bumps the version: the same merge as
+`core.outer.outer_round` (which the synchronous `diloco` trainer calls), computed as the pushes
+arrive. Memory does not grow with the number of learners: each push is folded into the round's
+sums when it arrives (`core.accumulate.RoundSum`, coefficients w / w_first) and its bytes stay
+in the push store (`syncer.payloads`), read back only to take out a superseded fold, to
+correct a capped share when the round closes (the sums are rescaled to the final shares at
+once, and a capped or held-back push is folded again by the difference), or to rebuild the
+rounds after a restart. An open round costs one fragment-sized buffer; the merged values are
+written into it, so the previous version stays intact for pulls still reading it.
 
 Anchoring: a push anchored at the current version is used as is. A push anchored at an older
 version b carries Δ = Θ_p^(b) − θ_m. With `stale_anchor="syncer"` (Decoupled DiLoCo, App. D.2)
@@ -41,28 +48,33 @@ a record of the refusal but no values.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from absl import logging
 
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
-from decoupled_diloco.core import outer
+from decoupled_diloco.core import accumulate, outer
 from decoupled_diloco.core.fragments import TensorSpec
 from decoupled_diloco.syncer import admission, view
+from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import (
     Ema,
     FragmentState,
     LearnerInfo,
+    Pending,
     Push,
     PushResult,
     grace_window,
 )
+
+# Folded token weights span at most this ratio (`SyncerState._fold`); float32 then keeps every
+# share apart to ~1e-4 of the smallest.
+_WEIGHT_RANGE = 1e3
 
 
 class PushRefused(ValueError):
@@ -109,13 +121,22 @@ class SyncerState:
             config.outer.delayed_nesterov,
         )
         # A fragment another shard owns keeps its specs but no values (empty placeholders).
-        empty = np.zeros(0, np.float32)
-        self.fragments = []
+        self.fragments, self._steps = [], []
         for p, (specs, values) in enumerate(zip(fragments, initial, strict=True)):
-            values = [np.array(v) for v in values] if p in self.owned else [empty] * len(specs)
-            tree = {x.name: v for x, v in zip(specs, values, strict=True)}
-            opt_state = jax.device_get(self.tx.init(tree))
-            self.fragments.append(FragmentState(list(specs), values, opt_state))
+            for x in specs:
+                if np.dtype(x.dtype) != np.float32:
+                    raise ValueError(
+                        f"fragment {p}: tensor {x.name} is {x.dtype}; the syncer keeps the global "
+                        "model in float32 (master weights): give the task float32 parameters "
+                        "(model.param_dtype) and compute in another dtype if wanted"
+                    )
+            size = sum(math.prod(x.shape) for x in specs) if p in self.owned else 0
+            step = accumulate.FlatStep(self.tx, max(size, 1))
+            flat = np.zeros(size, np.float32)
+            if size:
+                np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in values], out=flat)
+            self._steps.append(step)
+            self.fragments.append(FragmentState(list(specs), flat, step.init() if size else []))
         # Durability (see `syncer.durability`): `seq` counts changes a restart must not lose;
         # with `durable` set, merged versions wait for a commit (`publish`) to become visible.
         self.durable = False
@@ -128,41 +149,33 @@ class SyncerState:
         self.merge_sizes = [0] * (config.num_learners + 1)
         self.seen: dict[tuple[int, int, int], PushResult] = {}
         self.lock = threading.Condition()
-        # One compiled outer round per fragment: pushes are padded to `num_learners` slots
-        # with zero outer gradients of weight 0, which leave both merges unchanged.
+        self.store: Any = None  # `syncer.payloads.PushStore` of the pushes in open rounds
         mean_only = is_mean_only or (lambda name: False)
         averaged = is_averaged or (lambda name: False)
-        # Per fragment, per tensor: state (batch statistics) rather than a parameter.
+        # Per fragment, per tensor: state (batch statistics) rather than a parameter; and the
+        # tensors merged by the weighted mean rather than RDA.
         self._averaged = [[bool(averaged(s.name)) for s in specs] for specs in fragments]
-        self._rounds = [
-            jax.jit(
-                functools.partial(
-                    outer.outer_round,
-                    self.tx,
-                    config.outer.merge,
-                    {s.name: bool(mean_only(s.name)) for s in specs},
-                    averaged={s.name: bool(averaged(s.name)) for s in specs},
-                )
-            )
+        rda = config.outer.merge == "rda"
+        self._plain = [
+            [not rda or bool(mean_only(s.name)) or bool(averaged(s.name)) for s in specs]
             for specs in fragments
         ]
+        for p, frag in enumerate(self.fragments):
+            if p in self.owned:
+                frag.history[0] = self._kept(p, frag.values)
 
     def warm_up(self) -> None:
-        """Compiles every fragment's merge now, so the first real round is not slow."""
-        m = self.config.num_learners
+        """Compiles every fragment's outer step now, so the first real round is not slow."""
         for p in sorted(self.owned):
             frag = self.fragments[p]
-            zeros = [np.zeros_like(v) for v in frag.values]
-            tree = self._tree(frag, frag.values)
-            jax.block_until_ready(
-                self._rounds[p](
-                    tree, frag.opt_state, [self._tree(frag, zeros)] * m, np.ones(m), np.float32(1.0)
-                )
+            self._steps[p](
+                frag.flat, frag.opt_state, np.zeros_like(frag.flat), np.empty_like(frag.flat)
             )
 
-    @staticmethod
-    def _tree(frag: FragmentState, arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-        return {s.name: a for s, a in zip(frag.specs, arrays, strict=True)}
+    def _kept(self, p: int, values: Sequence[np.ndarray]) -> dict[int, np.ndarray]:
+        """What the version history keeps of fragment p's values (see `FragmentState`)."""
+        by_syncer = self.config.decoupled.stale_anchor == "syncer"
+        return {t: v for t, v in enumerate(values) if by_syncer or self._averaged[p][t]}
 
     # Learners --------------------------------------------------------------------------------
 
@@ -273,45 +286,113 @@ class SyncerState:
             self.seen[key] = result
             info.pushes += 1
             info.last_seen = self.clock()
-            self._changed("push", key)
+            self._changed("push", key, push)
             self._maybe_close(push.fragment)
             self.lock.notify_all()
             return result
 
     def _add(self, frag: FragmentState, push: Push) -> None:
-        delta = push.delta
-        stale = push.base_version != frag.version
-        by_syncer = self.config.decoupled.stale_anchor == "syncer"
-        # State (batch statistics) is always re-anchored: Θ − s·(Θ − θ_m) stays a weighted mix of
-        # the learners' values, where a stale Δ would carry the versions in between as drift.
-        state = self._averaged[push.fragment]
-        if stale and (by_syncer or any(state)):
-            # θ_m = Θ^(b) − Δ, re-anchored at the current Θ. A base the history lacks (only
-            # after a restart fell back past an unreadable checkpoint) is taken as current.
-            base = frag.history.get(push.base_version, frag.values)
-            delta = [
-                c - (b - d) if by_syncer or is_state else d
-                for c, b, d, is_state in zip(frag.values, base, delta, state, strict=True)
-            ]
-        previous = frag.pending.get(push.learner_id)
+        """Folds an accepted push into its fragment's open round (superseding its earlier one)."""
+        payload = push.delta
+        if not isinstance(payload, Payload):
+            payload = Payload.of_arrays(frag.specs, payload)
+        parts = [(push.base_version, payload)]
+        steps, tokens = push.steps, push.tokens
+        previous = frag.pending.pop(push.learner_id, None)
         if previous is not None:  # A newer push from the same learner supersedes the older one.
-            push = dataclasses.replace(
-                push, steps=push.steps + previous.steps, tokens=push.tokens + previous.tokens
-            )
+            self._unfold(push.fragment, previous)
+            steps, tokens = steps + previous.steps, tokens + previous.tokens
             if self.config.decoupled.stale_anchor == "learner" and (
                 previous.base_version != push.base_version
             ):
                 # Anchored at different versions, the two outer gradients hold disjoint
                 # progress (the learner was overwritten in between): keep both (state: the
                 # newer values alone).
-                delta = [
-                    b if is_state else a + b
-                    for a, b, is_state in zip(previous.delta, delta, state, strict=True)
-                ]
-        frag.pending[push.learner_id] = dataclasses.replace(push, delta=delta)
+                parts = previous.parts + parts
+            else:
+                self._release(previous.parts)
+        pending = Pending(
+            push.learner_id,
+            push.round,
+            push.base_version,
+            steps,
+            tokens,
+            push.incarnation,
+            parts,
+            outer.token_weight(tokens, steps),
+        )
+        self._fold(push.fragment, pending)
+        # From here on it is read back from its stored copy (if any), not the caller's buffer.
+        pending.parts = [(b, x.stored()) for b, x in pending.parts]
+        frag.pending[push.learner_id] = pending
         now = self.clock()
         if frag.first_push_t is None:
             frag.first_push_t = now
+
+    def pending_gradient(self, p: int, learner_id: int) -> list[np.ndarray]:
+        """A pending push's outer gradient as the merge will take it (re-anchored), per tensor."""
+        with self.lock:
+            frag = self.fragments[p]
+            parts = frag.pending[learner_id].parts
+            return [
+                x.reshape(s.shape) for x, s in zip(self._tensors(p, parts), frag.specs, strict=True)
+            ]
+
+    def _tensors(self, p: int, parts: Sequence[tuple[int, Payload]]) -> Iterator[np.ndarray]:
+        """A pending push's outer gradient at the current version, one tensor at a time.
+
+        Anchoring (module doc): a part anchored at an older version b is re-anchored at the
+        current Θ, Θ − (Θ^(b) − Δ), with `stale_anchor="syncer"`, and always for state
+        (batch statistics), where a stale Δ would carry the versions in between as drift. A
+        base the history lacks (only after a restart fell back past an unreadable checkpoint)
+        is taken as current. Parts add up; for state the newest alone counts.
+        """
+        frag = self.fragments[p]
+        by_syncer = self.config.decoupled.stale_anchor == "syncer"
+        streams = [payload.tensors() for _, payload in parts]
+        for t, xs in enumerate(zip(*streams, strict=True)):
+            is_state = self._averaged[p][t]
+            total = None
+            for (base, _), x in zip(parts, xs, strict=True):
+                x = np.asarray(x, np.float32)
+                if base != frag.version and (by_syncer or is_state):
+                    old = frag.history.get(base, {}).get(t, frag.values[t])
+                    x = frag.values[t] - (old - x)
+                total = x if total is None or is_state else total + x
+            yield total
+
+    def _fold(self, p: int, pending: Pending) -> None:
+        """Folds a pending push into the round's sums, or holds it back (coefficient 0).
+
+        A push whose weight would widen the folded weights' range past `_WEIGHT_RANGE` is held
+        back: folded next to much larger (or smaller) ones, float32 could not take its share
+        apart again when the round closes (a capped share is a correction to its fold).
+        """
+        frag = self.fragments[p]
+        if frag.round is None:
+            frag.round = accumulate.RoundSum(
+                [math.prod(s.shape) for s in frag.specs], self._plain[p]
+            )
+            frag.first_weight = pending.weight
+        folded = [x.coef for x in frag.pending.values() if x.coef > 0]
+        coef = pending.weight / frag.first_weight
+        if folded and max(*folded, coef) > _WEIGHT_RANGE * min(*folded, coef):
+            pending.coef = 0.0
+            return
+        frag.round.fold(self._tensors(p, pending.parts), coef)
+        pending.coef = coef
+
+    def _unfold(self, p: int, pending: Pending) -> None:
+        """Takes a superseded push's fold out of the round's sums again."""
+        frag = self.fragments[p]
+        if pending.coef > 0:
+            frag.round.fold(self._tensors(p, pending.parts), -pending.coef)
+
+    def _release(self, parts: Sequence[tuple[int, Payload]]) -> None:
+        """Stored payloads that no pending push refers to any more (see `PushStore.release`)."""
+        if self.store is not None:
+            for _, payload in parts:
+                self.store.release(payload.path, self.seq + 1)
 
     def _maybe_close(self, p: int) -> None:
         """Starts the grace window at quorum; merges when it has passed or all have pushed."""
@@ -351,23 +432,36 @@ class SyncerState:
             return min(times) if times else None
 
     def _merge(self, p: int) -> None:
+        """Closes fragment p's round: the shares, the merged outer gradient, the outer step."""
+        t0 = time.perf_counter()
         frag = self.fragments[p]
         pushes = [frag.pending[i] for i in sorted(frag.pending)]
-        raw = [outer.token_weight(x.tokens, x.steps) for x in pushes]
-        weights = outer.bounded_shares(raw, self.config.decoupled.syncer.max_weight_share)
-        m = self.config.num_learners
-        zeros = self._tree(frag, [np.zeros_like(v) for v in frag.values])
-        deltas = [self._tree(frag, x.delta) for x in pushes] + [zeros] * (m - len(pushes))
-        padded = np.array(weights + [0.0] * (m - len(pushes)), np.float32)
+        raw = [x.weight for x in pushes]
+        shares, factor = outer.shares_and_factor(raw, self.config.decoupled.syncer.max_weight_share)
+        # The sums hold coef_m = w_m / w_first of every folded push; scaled by c·w_first they
+        # hold c·w_m, each uncapped push's share. Capped and held-back pushes are corrected to
+        # their shares with their outer gradients read back.
+        frag.round.scale(factor * frag.first_weight)
+        for x, share in zip(pushes, shares, strict=True):
+            have = factor * x.weight if x.coef > 0 else 0.0
+            if abs(share - have) > 1e-9 * max(share, have):
+                frag.round.fold(self._tensors(p, x.parts), share - have)
         # "share": a merge of k of the M learners moves the fragment k/M of the way a merge of
         # all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
+        m = self.config.num_learners
         share = self.config.decoupled.partial_merge == "share"
-        scale = np.float32(len(pushes) / m if share else 1.0)
-        new_values, opt_state = self._rounds[p](
-            self._tree(frag, frag.values), frag.opt_state, deltas, padded, scale
-        )
-        new_values = jax.device_get(new_values)
-        new_values = [np.asarray(new_values[s.name]) for s in frag.specs]
+        merged = frag.round.finish(len(pushes) / m if share else 1.0)
+        buffer = frag.round.buffer
+        # Averaged state (batch statistics) is the weighted mean itself: Θ − mean(Θ − θ_m).
+        state = {
+            t: frag.values[t].reshape(-1) - merged[t]
+            for t, is_state in enumerate(self._averaged[p])
+            if is_state
+        }
+        opt_state = self._steps[p](frag.flat, frag.opt_state, buffer, buffer)  # Θ' → buffer
+        for t, value in state.items():
+            merged[t][:] = value
+        new_values = [x.reshape(s.shape) for x, s in zip(merged, frag.specs, strict=True)]
         o, s = self.config.outer, self.config.decoupled.syncer
         # Averaged state (batch statistics) moves by the mean itself: rate 1, no momentum.
         lr = max(o.lr, 1.0 - o.momentum) if any(self._averaged[p]) else o.lr
@@ -376,16 +470,19 @@ class SyncerState:
         if error:
             self._refuse_merge(p, pushes, error)
             return
-        frag.opt_state = jax.device_get(opt_state)
+        frag.opt_state = opt_state
         if self.merge_hook is not None:
             self.merge_hook()
-        frag.values = new_values
+        frag.set_flat(buffer)
+        frag.round = None
         frag.version += 1
         if not self.durable:  # else the committer publishes it once it is on disk
             frag.published, frag.published_values = frag.version, frag.values
         frag.merges += 1
         self.merge_sizes[len(pushes)] += 1
-        frag.history[frag.version] = frag.values
+        kept = self._kept(p, frag.values)
+        if kept:
+            frag.history[frag.version] = kept
         frag.awaiting_sync[frag.version] = {x.learner_id for x in pushes}
         oldest = frag.version - self.config.decoupled.syncer.max_staleness
         frag.history = {v: x for v, x in frag.history.items() if v >= oldest}
@@ -399,18 +496,21 @@ class SyncerState:
                 "steps": [x.steps for x in pushes],
                 "tokens": [x.tokens for x in pushes],
                 "weights": raw,
-                "shares": weights,
+                "shares": shares,
                 "grace_s": frag.grace_s,
                 "waited_s": now - frag.first_push_t,
                 "ema_step_s": self.ema_step.get(),
                 "ema_quorum_s": self.ema_quorum.get(),
                 "ema_sync_s": self.ema_sync.get(),
+                "merge_s": time.perf_counter() - t0,
             }
         )
         frag.pending, frag.first_push_t, frag.quorum_t, frag.closed_t = {}, None, None, now
+        for x in pushes:
+            self._release(x.parts)
         self._changed("merge", p)
 
-    def _refuse_merge(self, p: int, pushes: list[Push], error: str) -> None:
+    def _refuse_merge(self, p: int, pushes: list[Pending], error: str) -> None:
         """Drops a round whose merge failed its check; the fragment stays as it was."""
         frag = self.fragments[p]
         frag.refused_merges += 1
@@ -426,10 +526,12 @@ class SyncerState:
             [x.tokens for x in pushes],
             frag.version,
         )
-        frag.pending, frag.first_push_t, frag.quorum_t = {}, None, None
+        frag.pending, frag.first_push_t, frag.quorum_t, frag.round = {}, None, None, None
         # The momentum may carry the same harm (it built up towards this round): start it
         # again, so that the fragment's next honest rounds can merge.
-        frag.opt_state = jax.device_get(self.tx.init(self._tree(frag, frag.values)))
+        frag.opt_state = self._steps[p].init()
+        for x in pushes:
+            self._release(x.parts)
         self._changed("refuse", p)  # a restart must not bring the dropped pushes back
 
     def _changed(self, kind: str, *args: Any) -> None:

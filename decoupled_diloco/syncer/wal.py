@@ -1,9 +1,11 @@
 """The syncer's write-ahead log: every change a restart must not lose, as one appended record.
 
 Between two Orbax snapshots (`syncer.durability`), each change to the syncer's state is appended
-to `wal/SEQ.log` (SEQ: the snapshot it follows) under the state lock, as its result: a push's
-pending outer gradient and idempotency key, a merge's new fragment values, optimizer state and
-version, a registration. A restart restores a snapshot and re-applies the records after it.
+to `wal/SEQ.log` (SEQ: the snapshot it follows) under the state lock: a push as received (its
+counters and idempotency key; its outer gradient stays in the push store, `syncer.payloads`,
+as the bytes that arrived), that a merge happened (replay merges the same pushes again, so no
+values are written), a refused merge, a registration. A restart restores a snapshot and
+re-applies the records after it, through the same code that made the changes.
 
 A record: magic, header length, payload length, CRC-32 of both, a JSON header (what changed and
 the dtype and shape of each array) and the arrays' raw bytes. A record cut short by a crash
@@ -22,10 +24,10 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import numpy as np
 from absl import logging
 
+from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import LearnerInfo, Push, PushResult
 from decoupled_diloco.syncer.state import SyncerState
 
@@ -120,9 +122,9 @@ def _describe(state: SyncerState, kind: str, *args: Any) -> tuple[dict[str, Any]
             "incarnation": state.learners[learner].incarnation,
         }, []
     if kind == "push":
-        learner, p, rnd = key = args[0]
+        key, push = args
+        learner, p, rnd = key
         f, result = state.fragments[p], state.seen[key]
-        pending = f.pending.get(learner) if result.accepted else None
         header = {
             "kind": kind,
             "seq": state.seq,
@@ -130,11 +132,19 @@ def _describe(state: SyncerState, kind: str, *args: Any) -> tuple[dict[str, Any]
             "result": list(dataclasses.astuple(result)),
             "late": f.late,
             "pushes": state.learners[learner].pushes,
-            "pending": None
-            if pending is None
-            else {k: v for k, v in dataclasses.asdict(pending).items() if k != "delta"},
+            "push": None,
         }
-        return header, list(pending.delta) if pending is not None else []
+        arrays: list[np.ndarray] = []
+        if result.accepted and not result.duplicate:  # the push as received: replayed as is
+            entry = {k: v for k, v in dataclasses.asdict(push).items() if k != "delta"}
+            payload = push.delta
+            if isinstance(payload, Payload) and payload.path:
+                entry["payload"] = payload.describe()  # its bytes are in the push store
+            else:  # an in-process caller's arrays
+                entry["payload"] = None
+                arrays = list(payload.arrays if isinstance(payload, Payload) else payload)
+            header["push"] = entry
+        return header, arrays
     if kind == "refuse":  # a refused merge: its pushes are gone; no values are written
         (p,) = args
         f = state.fragments[p]
@@ -146,21 +156,10 @@ def _describe(state: SyncerState, kind: str, *args: Any) -> tuple[dict[str, Any]
             "refused": f.refused_merges,
             "dropped": dropped,
         }, []
-    if kind == "merge":
+    if kind == "merge":  # replayed by merging again: the same pushes give the same values
         (p,) = args
         f = state.fragments[p]
-        header = {
-            "kind": kind,
-            "seq": state.seq,
-            "fragment": p,
-            "version": f.version,
-            "merges": f.merges,
-            "history": sorted(f.history),
-            "merge_sizes": list(state.merge_sizes),
-            "log": state.merge_log[-1] if state.merge_log else None,
-            "values": len(f.values),
-        }
-        return header, list(f.values) + list(jax.tree.leaves(f.opt_state))
+        return {"kind": kind, "seq": state.seq, "fragment": p, "version": f.version}, []
     raise ValueError(f"unknown syncer change {kind!r}")
 
 
@@ -176,35 +175,39 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
     elif kind == "push":
         learner, p, rnd = header["key"]
         f = state.fragments[p]
-        state.seen[(learner, p, rnd)] = PushResult(*header["result"])
+        result = PushResult(*header["result"])
+        if header["push"] is not None:
+            entry = dict(header["push"])
+            described = entry.pop("payload")
+            delta = (
+                arrays if described is None else Payload.described(described, f.specs, state.store)
+            )
+            state._add(f, Push(**entry, delta=delta))
+        state.seen[(learner, p, rnd)] = result
         f.late = header["late"]
         info = state.learners.setdefault(learner, LearnerInfo())
         info.pushes, info.last_seen = header["pushes"], now
-        if header["pending"] is not None:
-            f.pending[learner] = Push(**header["pending"], delta=arrays)
-            f.first_push_t = f.first_push_t or now
     elif kind == "refuse":
-        f = state.fragments[header["fragment"]]
-        f.pending, f.first_push_t, f.quorum_t = {}, None, None
-        f.opt_state = jax.device_get(state.tx.init(state._tree(f, f.values)))  # as the refusal
+        p = header["fragment"]
+        f = state.fragments[p]
+        state._refuse_merge(p, [f.pending[i] for i in sorted(f.pending)], "replayed")
         f.refused_merges = header["refused"]
         for i, dropped in header["dropped"].items():
             state.learners.setdefault(int(i), LearnerInfo()).dropped_pushes = dropped
     elif kind == "merge":
-        f = state.fragments[header["fragment"]]
-        n = header["values"]
-        f.values = arrays[:n]
-        template = jax.device_get(state.tx.init(state._tree(f, f.values)))
-        f.opt_state = jax.tree.unflatten(jax.tree.structure(template), arrays[n:])
-        f.version = f.published = header["version"]
-        f.published_values = f.values
-        f.merges = header["merges"]
-        f.history[f.version] = f.values
-        f.history = {v: x for v, x in f.history.items() if v in set(header["history"])}
-        f.pending, f.first_push_t, f.quorum_t, f.closed_t = {}, None, None, None
-        state.merge_sizes = list(header["merge_sizes"])
-        if header["log"] is not None:
-            state.merge_log.append(header["log"])
+        p = header["fragment"]
+        f = state.fragments[p]
+        hook, state.merge_hook = state.merge_hook, None
+        try:
+            state._merge(p)
+        finally:
+            state.merge_hook = hook
+        if f.version != header["version"]:
+            raise ValueError(
+                f"write-ahead log replay: fragment {p} merged to version {f.version}, the log "
+                f"says {header['version']} (a log of another run or configuration?)"
+            )
+        f.published, f.published_values, f.closed_t = f.version, f.values, None
     else:
         raise ValueError(f"unknown syncer change {kind!r}")
     state.seq = header["seq"]

@@ -1,0 +1,38 @@
+r"""Byte-level LM of 113.5M parameters (12 layers, d_model 768, 12 heads, SwiGLU 3072), 2 learners.
+
+  python -m experiments.train --config=experiments/configs/lm_125m.py --workdir=runs/lm_125m
+
+Sequence length 1024 (`--config.model.seq_len=...`), bfloat16 compute with float32 parameters
+and optimizer state (`--config.model.dtype=float32` for all-float32). Sized for accelerators:
+on this repository's 2-core CPU machines it runs, slowly, for benchmarks only
+(`python -m tools.bench_scale`, benchmarks/results/scale.md). One island across all local
+devices, e.g. 8 GPUs: `--config.mesh.shape=8,1`; the synchronous baselines:
+`--config.mode=dp` or `--config.mode=diloco`.
+"""
+
+from decoupled_diloco import config as c
+
+
+def get_config():
+    return c.as_config_dict(
+        c.ExperimentConfig(
+            mode="decoupled",
+            num_learners=2,
+            inner_steps=100,
+            train_steps=2000,
+            model=c.ModelConfig(
+                vocab_size=256,
+                d_model=768,
+                num_layers=12,
+                num_heads=12,
+                mlp_hidden=3072,
+                seq_len=1024,
+                dtype="bfloat16",
+            ),
+            data=c.DataConfig(batch_size=8),
+            optim=c.OptimConfig(lr=3e-4),
+            mesh=c.MeshConfig(shape=(1, 1)),
+            checkpoint=c.CheckpointConfig(every=500),
+            eval=c.EvalConfig(every=500, batches=4),
+        )
+    )

@@ -1,0 +1,206 @@
+"""The syncer's folded merge (issue 20): the same result as the stacked outer round, flat memory.
+
+`core.outer.outer_round` (what the `diloco` trainer runs, all M outer gradients at once) is the
+reference; the syncer folds each push as it arrives and corrects capped, held-back and
+superseded ones when the round closes. Through the server, pushes live in the push store
+(files), not in memory, and the files go once nothing can need them.
+"""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.core import accumulate, outer
+from decoupled_diloco.syncer.records import Push
+from decoupled_diloco.syncer.server import SyncerServer, initial_fragments
+from decoupled_diloco.syncer.state import SyncerState
+from tests.conftest import tiny_config
+from tests.helpers import wait_until
+
+TOKEN = "accumulate-test-token"
+
+
+def _config(**overrides):
+    base = {
+        "num_learners": 4,
+        "decoupled.fragments": 2,
+        "decoupled.quorum": 4,
+        "decoupled.syncer.max_grace_s": 0.0,
+        "outer.merge": "rda",
+    }
+    return tiny_config(mode="decoupled", **{**base, **overrides})
+
+
+def _deltas(specs, seed, scale=1e-2):
+    rng = np.random.default_rng(seed)
+    return [(scale * rng.standard_normal(s.shape)).astype(np.float32) for s in specs]
+
+
+def _reference(config, specs, values, pushes, mean_only, averaged):
+    """outer.outer_round on the stacked outer gradients, with the capped shares as weights."""
+    o = config.outer
+    tx = outer.make_outer_optimizer(o.lr, o.momentum, o.nesterov, o.delayed_nesterov)
+    tree = lambda xs: {s.name: np.asarray(x) for s, x in zip(specs, xs, strict=True)}  # noqa: E731
+    weights = [outer.token_weight(tokens, steps) for _, steps, tokens in pushes]
+    shares = outer.bounded_shares(weights, config.decoupled.syncer.max_weight_share)
+    scale = len(pushes) / config.num_learners  # partial_merge "share"
+    new, _ = outer.outer_round(
+        tx,
+        o.merge,
+        {s.name: mean_only(s.name) for s in specs},
+        tree(values),
+        tx.init(tree(values)),
+        [tree(d) for d, _, _ in pushes],
+        shares,
+        scale,
+        averaged={s.name: averaged(s.name) for s in specs},
+    )
+    return [np.asarray(new[s.name]) for s in specs]
+
+
+def test_round_sum_is_the_stacked_merge():
+    rng = np.random.default_rng(0)
+    shapes, plain = [(30, 7), (50,), (3, 4, 5)], [False, True, False]
+    deltas = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(3)]
+    weights = [1.0, 2.5, 0.7]
+    rounds = accumulate.RoundSum([int(np.prod(s)) for s in shapes], plain)
+    for d, w in zip(deltas, weights, strict=True):
+        rounds.fold(d, w / sum(weights))
+    extra = [rng.standard_normal(s).astype(np.float32) for s in shapes]  # folded, taken out
+    rounds.fold(extra, 0.4)
+    rounds.fold(extra, -0.4)
+    got = rounds.finish(0.5)
+    tree = lambda d: {str(i): a for i, a in enumerate(d)}  # noqa: E731
+    want = outer.merge([tree(d) for d in deltas], weights, "rda", tree(plain))
+    for i, s in enumerate(shapes):
+        np.testing.assert_allclose(got[i].reshape(s), 0.5 * want[str(i)], rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",  # token weights within range, no cap binding
+        "capped",  # one push's share is cut to max_weight_share
+        "held",  # weights 10^6 apart: the small one is held back, added at close
+        "equal",  # k * cap <= 1: equal shares, every push read back
+        "superseded",  # a learner's second push replaces its first
+        "mean",  # outer.merge "mean"
+    ],
+)
+def test_the_folded_merge_is_the_stacked_outer_round(case):
+    overrides = {
+        "capped": {"decoupled.syncer.max_weight_share": 0.5},
+        "equal": {
+            "decoupled.syncer.max_weight_share": 0.3,
+            "num_learners": 3,
+            "decoupled.quorum": 3,
+        },
+        "mean": {"outer.merge": "mean"},
+    }.get(case, {})
+    config = _config(**overrides)
+    cut, values = initial_fragments(config)
+    mean_only = lambda name: "embed" in name  # noqa: E731
+    averaged = lambda name: name.endswith("attn_norm/scale")  # noqa: E731 - as batch statistics
+    state = SyncerState(config, cut, values, is_mean_only=mean_only, is_averaged=averaged)
+    m = config.num_learners
+    for i in range(m):
+        state.register(i, "")
+    specs, before = cut[0], [v.copy() for v in state.fragments[0].values]
+    counters = {  # (steps, tokens) per learner
+        "plain": [(4, 1024), (4, 2048), (8, 1024), (2, 512)],
+        "capped": [(4, 1024), (4, 8192), (4, 1024), (4, 1024)],
+        "held": [(1, 1), (4, 4096), (4, 2048), (4, 1024)],
+        "equal": [(4, 1024), (4, 3000), (4, 100)],
+        "superseded": [(4, 1024), (4, 2048), (8, 1024), (2, 512)],
+        "mean": [(4, 1024), (4, 2048), (8, 1024), (2, 512)],
+    }[case]
+    pushes = []
+    for i, (steps, tokens) in enumerate(counters):
+        delta = _deltas(specs, seed=i)
+        if case == "superseded" and i == 1:
+            state.push(Push(i, 0, 0, 0, steps, tokens, _deltas(specs, seed=99)))
+            state.push(Push(i, 0, 1, 0, steps, tokens, delta))  # supersedes: counters add up
+            steps, tokens = 2 * steps, 2 * tokens
+        else:
+            state.push(Push(i, 0, 0, 0, steps, tokens, delta))
+        pushes.append((delta, steps, tokens))
+    frag = state.fragments[0]
+    assert frag.version == 1 and frag.refused_merges == 0
+    if case == "held":
+        assert state.merge_log[-1]["learners"] == list(range(m))
+    want = _reference(config, specs, before, pushes, mean_only, averaged)
+    for got, ref, spec in zip(frag.values, want, specs, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=spec.name)
+
+
+def test_an_open_round_holds_one_buffer_and_the_pushes_stay_in_files(tmp_path):
+    """Through the server: no push is kept in memory; files go when nothing needs them."""
+    config = _config(**{"decoupled.syncer.snapshot_s": 0.0})
+    for durable in (False, True):
+        server = SyncerServer(
+            config,
+            host="127.0.0.1",
+            port=0,
+            token=TOKEN,
+            checkpoint_dir=str(tmp_path / "ckpt") if durable else None,
+        ).start()
+        client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, TOKEN)
+        try:
+            for i in range(4):
+                client.register(i, server.fingerprint)
+            specs = server.state.fragments[0].specs
+            for i in range(3):  # quorum 4: the round stays open
+                reply = client.push(
+                    learner_id=i,
+                    fragment=0,
+                    round=0,
+                    base_version=0,
+                    steps=4,
+                    tokens=1024,
+                    specs=specs,
+                    arrays=_deltas(specs, i),
+                )
+                assert reply.accepted
+            frag, store = server.state.fragments[0], server.state.store
+            with server.state.lock:
+                parts = [payload for x in frag.pending.values() for _, payload in x.parts]
+                assert len(parts) == 3 and frag.round is not None
+                assert all(x.data is None and x.arrays is None and x.path for x in parts)
+                first_round = sorted(pathlib.Path(x.path) for x in parts)
+                assert sorted(store.directory.glob("*.push")) == first_round
+            client.push(
+                learner_id=3,
+                fragment=0,
+                round=0,
+                base_version=0,
+                steps=4,
+                tokens=1024,
+                specs=specs,
+                arrays=_deltas(specs, 3),
+            )
+            assert client.pull(0, 0, 1, wait_s=30)[0] == 1
+            if durable:  # released once a snapshot after the merge is the oldest kept one
+                keep = config.checkpoint.max_to_keep
+                for rnd in range(1, keep + 2):  # more merges, more snapshots (snapshot_s 0)
+                    for i in range(4):
+                        client.push(
+                            learner_id=i,
+                            fragment=1,
+                            round=rnd,
+                            base_version=rnd - 1,
+                            steps=4,
+                            tokens=1024,
+                            specs=server.state.fragments[1].specs,
+                            arrays=_deltas(server.state.fragments[1].specs, i),
+                        )
+                    assert client.pull(0, 1, rnd, wait_s=30)[0] == rnd
+            # Merged: its files are gone (durable: once no kept snapshot predates the merge).
+            gone = lambda files=first_round: not any(p.exists() for p in files)  # noqa: E731
+            wait_until(gone, 60, "files purged")
+        finally:
+            client.close()
+            server.stop(0)
+        if not durable:
+            assert not store.directory.exists()  # the temporary store is removed

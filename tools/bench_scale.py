@@ -1,0 +1,279 @@
+"""Scale: the syncer with M synthetic learners at 25M-1B parameters (issue 20).
+
+  python -m tools.bench_scale --out=benchmarks/results/scale.md
+  python -m tools.bench_scale --sizes=25m,125m --learners=2,4,8 --rounds=3
+
+Per (size, M): a syncer process started as an operator would (`python -m
+decoupled_diloco.syncer --checkpoint_dir=...`: write-ahead log and Orbax snapshots on), 4
+fragments, quorum M, and M learners in this process (one thread each, one real
+`SyncerClient` each) that register, push every fragment's outer gradient (float32, no
+compression) and pull every merged fragment, for `--rounds` rounds. Measured from outside: the
+syncer's peak and current RSS (`/proc/PID/status` VmHWM, VmRSS) after each round, the bytes it
+wrote to disk (`/proc/PID/io` write_bytes), the merge time it reports per fragment
+(`merge_log[].merge_s`), and this machine's memcpy bandwidth in the same run (numpy copy of
+256 MB, best of 5). The model shapes are those of `experiments/configs/lm_*.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOKEN = "bench-scale"
+FRAGMENTS = 4
+# The transformer shapes (byte vocabulary); 25m is the transport benchmark's tree.
+SIZES = {
+    "25m": {"d_model": 1024, "num_layers": 2, "num_heads": 8, "mlp_hidden": 2816},
+    "125m": {"d_model": 768, "num_layers": 12, "num_heads": 12, "mlp_hidden": 3072},
+    "350m": {"d_model": 1024, "num_layers": 24, "num_heads": 16, "mlp_hidden": 3584},
+    "1b": {"d_model": 2048, "num_layers": 20, "num_heads": 16, "mlp_hidden": 5632},
+}
+
+
+def memcpy_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """This machine's memcpy bandwidth (GB/s of bytes copied), numpy, best of `repeats`."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def proc_memory(pid: int) -> tuple[int, int]:
+    """(VmHWM, VmRSS) of a process, bytes."""
+    fields = {}
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields["VmHWM"], fields["VmRSS"]
+
+
+def proc_written(pid: int) -> int:
+    """Bytes a process caused to be written to storage (`/proc/PID/io` write_bytes)."""
+    for line in pathlib.Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def config_for(size: str, learners: int):
+    """The decoupled experiment of one benchmark cell."""
+    from decoupled_diloco import config as c
+
+    return c.replace(
+        c.ExperimentConfig(mode="decoupled", num_learners=learners, inner_steps=100),
+        **{f"model.{k}": v for k, v in SIZES[size].items()},
+        **{
+            "model.seq_len": 1024,
+            "train_steps": 1_000_000,
+            "data.batch_size": 8,
+            "decoupled.fragments": FRAGMENTS,
+            "decoupled.quorum": learners,
+            "decoupled.syncer.rpc_timeout_s": 600.0,
+            "decoupled.syncer.learner_timeout_s": 600.0,
+            "decoupled.syncer.max_push_bytes": 4 << 30,
+            "decoupled.syncer.stream_idle_s": 300.0,
+        },
+    )
+
+
+def _wait_port(path: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 900) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"syncer exited with {proc.returncode}")
+        time.sleep(0.1)
+    raise TimeoutError("syncer did not start")
+
+
+def run_cell(size: str, learners: int, rounds: int) -> dict:
+    """One (size, M) cell: a syncer process and M pushing threads; the measurements."""
+    from decoupled_diloco import tasks
+    from decoupled_diloco.comm.client import SyncerClient
+    from decoupled_diloco.config import write_config_file
+    from decoupled_diloco.core import fragments as F
+    from decoupled_diloco.local.procs import reap
+
+    config = config_for(size, learners)
+    task = tasks.make_task(config)
+    specs = F.tensor_specs(task.abstract_params())
+    cut = F.partition(specs, FRAGMENTS)
+    owned = sum(s.nbytes for s in specs)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
+    syncer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "decoupled_diloco.syncer",
+            f"--config={write_config_file(config, tmp / 'config.py')}",
+            "--port=0",
+            f"--port_file={tmp / 'syncer.port'}",
+            f"--checkpoint_dir={tmp / 'ckpt'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    rows = []
+    try:
+        port = _wait_port(tmp / "syncer.port", syncer)
+        start_hwm, start_rss = proc_memory(syncer.pid)
+        clients = [
+            SyncerClient(f"127.0.0.1:{port}", config.decoupled.syncer, TOKEN)
+            for _ in range(learners)
+        ]
+        clients[0].wait_ready(300)
+        fp = task.fingerprint(specs)
+        for i, client in enumerate(clients):
+            client.register(i, fp)
+        rng = np.random.default_rng(0)
+        # One outer gradient per fragment, shared by every learner (the syncer's work does
+        # not depend on the values); small next to the initial weights (std 0.02).
+        deltas = [[(rng.standard_normal(s.shape) * 1e-4).astype(s.dtype) for s in f] for f in cut]
+        tokens = config.inner_steps * config.data.batch_size * config.model.seq_len
+        for r in range(rounds):
+            written0 = proc_written(syncer.pid)
+            errors: list[BaseException] = []
+
+            def learner(i: int, r: int = r, errors: list = errors) -> None:
+                try:
+                    for p, frag in enumerate(cut):
+                        reply = clients[i].push(
+                            learner_id=i,
+                            fragment=p,
+                            round=r,
+                            base_version=r,
+                            steps=config.inner_steps,
+                            tokens=tokens,
+                            specs=frag,
+                            arrays=deltas[p],
+                        )
+                        if not reply.accepted:
+                            raise RuntimeError(f"push refused: {reply.reason}")
+                except BaseException as error:  # noqa: BLE001 - reported below
+                    errors.append(error)
+
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=learner, args=(i,)) for i in range(learners)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            push_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for p in range(FRAGMENTS):
+                version, _ = clients[0].pull(0, p, r + 1, 600.0)
+                if version != r + 1:
+                    raise RuntimeError(f"fragment {p} at version {version}, wanted {r + 1}")
+            pull_s = time.perf_counter() - t0
+            status = clients[0].status()
+            merges = [m for m in status["merge_log"] if m["version"] == r + 1]
+            hwm, rss = proc_memory(syncer.pid)
+            rows.append(
+                {
+                    "round": r,
+                    "push_s": push_s,
+                    "pull_s": pull_s,
+                    "merge_s": sum(m.get("merge_s", float("nan")) for m in merges),
+                    "merged": [len(m["learners"]) for m in merges],
+                    "written_mb": (proc_written(syncer.pid) - written0) / 1e6,
+                    "hwm": hwm,
+                    "rss": rss,
+                }
+            )
+            print(f"  {size} M={learners} round {r}: {rows[-1]}", flush=True)
+        for client in clients:
+            client.close()
+    finally:
+        reap([syncer])
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    return {
+        "size": size,
+        "learners": learners,
+        "params": sum(int(np.prod(s.shape)) for s in specs),
+        "bytes": owned,
+        "start_hwm": start_hwm,
+        "start_rss": start_rss,
+        "rows": rows,
+    }
+
+
+def table(cells: list[dict], memcpy: float) -> list[str]:
+    """The markdown rows of every cell."""
+    lines = [
+        "| size (params) | M | round | push s | merge s (all fragments) | merge GB/s (M × bytes) "
+        "| ÷ memcpy | written MB | peak RSS GB | peak ÷ model | RSS GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        model = cell["bytes"]
+        for row in cell["rows"]:
+            rate = cell["learners"] * model / row["merge_s"] / 1e9 if row["merge_s"] else 0.0
+            lines.append(
+                f"| {cell['size']} ({cell['params'] / 1e6:.1f}M) | {cell['learners']} | "
+                f"{row['round']} | {row['push_s']:.1f} | {row['merge_s']:.2f} | {rate:.2f} | "
+                f"{rate / memcpy:.2f} | {row['written_mb']:.0f} | {row['hwm'] / 1e9:.2f} | "
+                f"{row['hwm'] / model:.1f} | {row['rss'] / 1e9:.2f} |"
+            )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--sizes", default="25m,125m")
+    parser.add_argument("--learners", default="2,4,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--label", default="", help="A heading for this run (e.g. before).")
+    args = parser.parse_args()
+    memcpy = memcpy_gbs()
+    print(f"memcpy {memcpy:.1f} GB/s", flush=True)
+    cells = []
+    for size in args.sizes.split(","):
+        for m in (int(x) for x in args.learners.split(",")):
+            cells.append(run_cell(size, m, args.rounds))
+    command = (
+        f"python -m tools.bench_scale --sizes={args.sizes} --learners={args.learners} "
+        f"--rounds={args.rounds}" + (f" --out={args.out}" if args.out else "")
+    )
+    section = "\n".join(
+        [
+            f"### Syncer at scale{': ' + args.label if args.label else ''}",
+            "",
+            f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}); memcpy "
+            f"{memcpy:.1f} GB/s in the same run. Syncer process with a checkpoint directory "
+            f"(WAL + snapshots), {FRAGMENTS} fragments, quorum M, float32 pushes; peak RSS "
+            "is the process's VmHWM since it started (initialisation included).",
+            "",
+            *table(cells, memcpy),
+            "",
+        ]
+    )
+    print(section)
+    if args.out:
+        path = pathlib.Path(args.out)
+        old = path.read_text() if path.exists() else ""
+        path.write_text(old + ("\n" if old else "") + section)
+
+
+if __name__ == "__main__":
+    main()
