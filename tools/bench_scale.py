@@ -221,8 +221,9 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
     """The markdown rows of every cell."""
     lines = [
         "| size (params) | M | round | push s | merge s (all fragments) | merge GB/s (M × bytes) "
-        "| ÷ memcpy | written MB | peak RSS GB | peak ÷ model | RSS GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ÷ memcpy | written MB | started GB | peak RSS GB | peak ÷ model | (peak − started) ÷ model "
+        "| RSS GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
         model = cell["bytes"]
@@ -231,8 +232,9 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
             lines.append(
                 f"| {cell['size']} ({cell['params'] / 1e6:.1f}M) | {cell['learners']} | "
                 f"{row['round']} | {row['push_s']:.1f} | {row['merge_s']:.2f} | {rate:.2f} | "
-                f"{rate / memcpy:.2f} | {row['written_mb']:.0f} | {row['hwm'] / 1e9:.2f} | "
-                f"{row['hwm'] / model:.1f} | {row['rss'] / 1e9:.2f} |"
+                f"{rate / memcpy:.2f} | {row['written_mb']:.0f} | {cell['start_rss'] / 1e9:.2f} | "
+                f"{row['hwm'] / 1e9:.2f} | {row['hwm'] / model:.1f} | "
+                f"{(row['hwm'] - cell['start_rss']) / model:.1f} | {row['rss'] / 1e9:.2f} |"
             )
     return lines
 

@@ -104,8 +104,10 @@ class RoundSum:
             self.buffer[c] *= f32
         self.norm_sum *= factor
 
-    def finish(self, scale: float = 1.0) -> list[np.ndarray]:
+    def finish(self, scale: float = 1.0, prescale: float = 1.0) -> list[np.ndarray]:
         """The merged outer gradient, times `scale`, computed in place; the round is spent.
+
+        `prescale` is a `scale(prescale)` still to be applied first (done in the same pass).
 
         Returns:
           One flat float32 view per tensor (into the round's buffer); NaN where an outer
@@ -115,12 +117,13 @@ class RoundSum:
         for t in range(len(self.sizes)):
             s = self.view(t)
             if self.plain[t]:
-                factor = scale
+                factor = scale * prescale
             elif not math.isfinite(self.norm_sum[t]):  # a norm overflowed: no merge to make
                 factor = math.nan
-            else:
+            else:  # (the direction's scale cancels: N·S/‖S‖)
                 direction = norm(s)
-                factor = scale * self.norm_sum[t] / direction if direction > TINY_NORM else 0.0
+                n = self.norm_sum[t] * prescale
+                factor = scale * n / direction if direction > TINY_NORM else 0.0
             f32 = np.float32(factor)
             for c in _chunks(s.size):
                 s[c] *= f32

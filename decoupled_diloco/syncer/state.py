@@ -441,16 +441,22 @@ class SyncerState:
         # The sums hold coef_m = w_m / w_first of every folded push; scaled by c·w_first they
         # hold c·w_m, each uncapped push's share. Capped and held-back pushes are corrected to
         # their shares with their outer gradients read back.
-        frag.round.scale(factor * frag.first_weight)
+        prescale = factor * frag.first_weight
+        corrections = []
         for x, share in zip(pushes, shares, strict=True):
             have = factor * x.weight if x.coef > 0 else 0.0
             if abs(share - have) > 1e-9 * max(share, have):
-                frag.round.fold(self._tensors(p, x.parts), share - have)
+                corrections.append((x, share - have))
+        if corrections:  # (else the rescaling is done by `finish`, in its pass)
+            frag.round.scale(prescale)
+            prescale = 1.0
+        for x, coef in corrections:
+            frag.round.fold(self._tensors(p, x.parts), coef)
         # "share": a merge of k of the M learners moves the fragment k/M of the way a merge of
         # all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
         m = self.config.num_learners
         share = self.config.decoupled.partial_merge == "share"
-        merged = frag.round.finish(len(pushes) / m if share else 1.0)
+        merged = frag.round.finish(len(pushes) / m if share else 1.0, prescale)
         buffer = frag.round.buffer
         # Averaged state (batch statistics) is the weighted mean itself: Θ − mean(Θ − θ_m).
         state = {
