@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.models.mesh import make_island_mesh
+from decoupled_diloco.models.mesh import fsdp_spec, make_island_mesh
 from decoupled_diloco.optim import make_inner_optimizer
 from decoupled_diloco.tasks import Batch, Task, key_mask, make_task
 
@@ -99,6 +99,14 @@ class Island:
         self._keys = key_mask(local_state)
         _, abstract_synced, abstract_local = self.task.split(abstract_model)
         specs = nnx.to_pure_dict(nnx.get_partition_spec(synced_state))
+        if config.mesh.fsdp:  # parameters (and so their moments) split over `data` too
+            data = self.mesh.shape["data"]
+            specs = jax.tree.map(
+                lambda spec, x: fsdp_spec(spec, x.shape, data),
+                specs,
+                abstract_synced,
+                is_leaf=lambda x: isinstance(x, P),
+            )
         self.replicated = NamedSharding(self.mesh, P())
         self.param_sharding = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)

@@ -28,9 +28,9 @@ def test_output_shardings_equal_declared_and_step_compiles_once():
     assert len(declared) == len(actual)
     for want, got, leaf in zip(declared, actual, jax.tree.leaves(state), strict=True):
         assert got.is_equivalent_to(want, leaf.ndim)
-    qkv = state.params["blocks"][0]["attn"]["qkv"]["kernel"]
-    assert qkv.sharding.spec == jax.sharding.PartitionSpec(None, "model")
-    assert {d.id for d in qkv.devices()} == {0, 1, 2, 3}
+    q = state.params["blocks"][0]["attn"]["q"]["kernel"]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert {d.id for d in q.devices()} == {0, 1, 2, 3}
     assert loss.sharding.is_fully_replicated
 
 
@@ -57,3 +57,63 @@ def test_a_step_lowers_the_loss_on_a_repeated_batch():
         state, loss = island.step(state, batch)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1
+
+
+_WIDE = {  # 8 heads of 8 values: every axis choice below splits it
+    "model.d_model": 64,
+    "model.num_heads": 8,
+    "model.mlp_hidden": 128,
+    "model.num_layers": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "shape, fsdp, remat",
+    [((8, 1), False, False), ((8, 1), True, False), ((1, 8), False, True), ((4, 2), True, True)],
+    ids=["data", "fsdp", "tensor+remat", "fsdp+tensor+remat"],
+)
+def test_every_axis_choice_shards_as_declared_and_compiles_once(shape, fsdp, remat):
+    """Data, FSDP and tensor parallelism over 8 devices: shardings, bytes per device, one
+    compilation, and the same loss as one device."""
+    from jax.sharding import PartitionSpec as P
+
+    config = tiny_config(**_WIDE, **{"mesh.fsdp": fsdp, "model.remat": remat})
+    island = Island(config, jax.devices()[:8], mesh_shape=shape)
+    state = island.init(0)
+    batch = _batch(island)
+    losses = []
+    for _ in range(2):
+        state, loss = island.step(state, batch)
+        losses.append(float(loss))
+    assert island.trace_count == 1 and island._step._cache_size() == 1
+    for want, leaf in zip(
+        jax.tree.leaves(island.state_sharding), jax.tree.leaves(state), strict=True
+    ):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+    attn = state.params["blocks"][0]["attn"]
+    data, model = shape
+    want_q = P("data" if fsdp and data > 1 else None, "model")
+    assert attn["q"]["kernel"].sharding.spec == want_q
+    head_dim = 64 // 8
+    # Tensor parallel: each device holds whole heads of q (columns head by head).
+    assert attn["q"]["kernel"].addressable_shards[0].data.shape[1] % head_dim == 0
+    # Moments take their parameter's sharding.
+    shape_of = lambda x: (x.shape, x.sharding.spec)  # noqa: E731
+    moments = {shape_of(x) for x in jax.tree.leaves(state.opt_state) if x.ndim}
+    assert moments == {shape_of(x) for x in jax.tree.leaves(state.params)}
+    total = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+    on_0 = sum(
+        s.data.nbytes
+        for x in jax.tree.leaves((state.params, state.opt_state))
+        for s in x.addressable_shards
+        if s.device == island.mesh.devices.flat[0]
+    )
+    if fsdp and data * model == 8:  # every tensor of these shapes splits 8 ways
+        assert on_0 <= 1.1 * total / 8, (on_0, total)
+    elif model == 1:
+        assert on_0 == total  # replicated over data
+    one = Island(tiny_config(**_WIDE), jax.devices()[:1], mesh_shape=(1, 1))
+    single = one.init(0)
+    for _ in range(2):
+        single, loss = one.step(single, batch)
+    np.testing.assert_allclose(losses[-1], float(loss), rtol=2e-4)

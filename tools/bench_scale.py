@@ -221,8 +221,8 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
     """The markdown rows of every cell."""
     lines = [
         "| size (params) | M | round | push s | merge s (all fragments) | merge GB/s (M × bytes) "
-        "| ÷ memcpy | written MB | started GB | peak RSS GB | peak ÷ model | (peak − started) ÷ model "
-        "| RSS GB |",
+        "| ÷ memcpy | written MB | started GB | peak RSS GB | peak ÷ model "
+        "| (peak − started) ÷ model | RSS GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells:

@@ -36,7 +36,10 @@ class ModelConfig:
       seq_len: tokens per training window (context length).
       tie_embeddings: share the input embedding table with the output projection.
       rope_base: base frequency of the rotary position embeddings.
-      dtype: compute dtype of the layers, "float32" or "bfloat16".
+      dtype: compute dtype of the layers, "float32" or "bfloat16" (mixed precision: the
+        parameters and the optimizer state stay float32, the loss is computed in float32).
+      remat: recompute each transformer block's activations in the backward pass
+        (`nnx.remat`): activation memory of one block instead of all, for ~1/3 more compute.
       kind: "transformer" (dense decoder LM), "moe" (decoder LM with routed expert MLPs, see
         the `moe` section) or "vit" (vision transformer classifier on `data.dataset` images).
       patch_size: vit: side of the square image patches (must divide the image side).
@@ -51,6 +54,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_base: float = 10_000.0
     dtype: str = "float32"
+    remat: bool = False
     kind: str = "transformer"
     patch_size: int = 2
 
@@ -135,12 +139,24 @@ class OuterConfig:
 class MeshConfig:
     """Each learner's device mesh: `shape` over axes (`data`, `model`).
 
+    The batch is split over `data`; each tensor annotated with `model` (attention heads, MLP
+    columns and rows) is split over `model` (tensor parallelism). With `fsdp`, parameters and
+    optimizer state are also split over `data` (each on its largest dimension that `data`
+    divides and `model` does not split), and XLA gathers each where it is used.
+
     Attributes:
       shape: (`data`, `model`) axis sizes of each learner's mesh; `data` must divide
         `data.batch_size`, `model` must divide the model's widths and heads.
+      fsdp: shard parameters and optimizer state over the `data` axis as well (fully
+        sharded data parallelism); default: replicated over it.
+      device_memory_gb: what one device may hold; the island refuses a configuration whose
+        compiled step needs more per device (0: the device's own limit where it reports one,
+        e.g. a GPU; no check on CPU).
     """
 
     shape: tuple[int, int] = (1, 1)
+    fsdp: bool = False
+    device_memory_gb: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

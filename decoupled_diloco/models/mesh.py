@@ -22,3 +22,23 @@ def make_island_mesh(shape: tuple[int, int], devices: Sequence[jax.Device]) -> j
         )
     auto = jax.sharding.AxisType.Auto
     return jax.make_mesh(tuple(shape), AXES, axis_types=(auto, auto), devices=list(devices))
+
+
+def fsdp_spec(spec: jax.sharding.PartitionSpec, shape: Sequence[int], data: int):
+    """`spec` with the `data` axis added on the largest dimension it divides and nothing splits.
+
+    A tensor no such dimension exists for (a scalar, or all dimensions too small or taken)
+    keeps `spec`: it stays replicated over `data`.
+    """
+    if data <= 1 or "data" in jax.tree.leaves(tuple(spec)):
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    free = [
+        i
+        for i, (e, n) in enumerate(zip(entries, shape, strict=True))
+        if e is None and n % data == 0
+    ]
+    if not free:
+        return spec
+    entries[max(free, key=lambda i: (shape[i], -i))] = "data"
+    return jax.sharding.PartitionSpec(*entries)

@@ -47,15 +47,18 @@ class EncoderAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_heads
-        self.qkv = _linear(cfg.d_model, 3 * cfg.d_model, (None, "model"), dtype, rngs)
+        # Separate kernels, heads whole on each `model` shard (as `transformer.Attention`).
+        self.q, self.k, self.v = (
+            _linear(cfg.d_model, cfg.d_model, (None, "model"), dtype, rngs) for _ in range(3)
+        )
         self.out = _linear(cfg.d_model, cfg.d_model, ("model", None), dtype, rngs)
 
     def __call__(self, x_ND: jax.Array, batch: int) -> jax.Array:
         """Attends within each of the `batch` images' patch sequences."""
         tokens, d_model = x_ND.shape
-        seq_len, head_dim = tokens // batch, d_model // self.num_heads
-        qkv = self.qkv(x_ND).reshape(batch, seq_len, 3, self.num_heads, head_dim)
-        o_BTNH = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        shape = (batch, tokens // batch, self.num_heads, d_model // self.num_heads)
+        q_BTNH, k_BTNH, v_BTNH = (f(x_ND).reshape(shape) for f in (self.q, self.k, self.v))
+        o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH)
         return self.out(o_BTNH.reshape(tokens, d_model))
 
 

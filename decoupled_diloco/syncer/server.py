@@ -44,8 +44,16 @@ def initial_fragments(
       ValueError: `initial` does not match the task's tree (structure, shapes or dtypes).
     """
     if task is None and not config.task and initial is None:
-        return _builtin_fragments(config)
+        task = tasks.make_task(config)
+        size = sum(s.nbytes for s in F.tensor_specs(task.abstract_params()))
+        if size <= _CACHED_BYTES:  # tests start many syncers of one small model
+            return _builtin_fragments(config)
     return _fragments(config, task or tasks.make_task(config), initial)
+
+
+# Initial values of built-in models up to this size are kept for the next syncer of the
+# process (a larger model's would cost its size for the process's lifetime).
+_CACHED_BYTES = 64 << 20
 
 
 @functools.lru_cache(maxsize=4)
