@@ -96,21 +96,3 @@ def process_start_time() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
-
-
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def return_large_frees(threshold_bytes: int = 1 << 20) -> None:
-    """Makes glibc give every freed buffer of `threshold_bytes` or more straight back to the OS.
-
-    glibc raises its mmap threshold to the size of each large buffer freed (up to 32 MB), after
-    which buffers of that size come from the heap and stay in the process when freed: a
-    process that allocates and frees fragment-sized temporaries on many threads (the syncer's
-    gRPC handlers) then grows with every round. A fixed threshold keeps large buffers mapped
-    and returned on free. No effect where the C library is not glibc.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes))
-    except (OSError, AttributeError):
-        pass

@@ -117,3 +117,28 @@ def test_every_axis_choice_shards_as_declared_and_compiles_once(shape, fsdp, rem
     for _ in range(2):
         single, loss = one.step(single, batch)
     np.testing.assert_allclose(losses[-1], float(loss), rtol=2e-4)
+
+
+def test_memory_plan_counts_shards_and_refuses_what_cannot_fit():
+    """Per device: parameters and moments / 8 under FSDP; temporaries from the compiled step."""
+    from decoupled_diloco import planning
+    from decoupled_diloco.config import ConfigError
+
+    replicated = Island(tiny_config(**_WIDE), jax.devices()[:8], mesh_shape=(8, 1))
+    sharded = Island(tiny_config(**_WIDE, **{"mesh.fsdp": True}), jax.devices()[:8], (8, 1))
+    batch = _batch(replicated)
+    a, b = planning.plan(replicated, batch), planning.plan(sharded, batch)
+    assert a.temp > 0 and a.batch == batch.nbytes // 8
+    assert b.params == a.params // 8 and b.opt_state <= 1.1 * a.opt_state / 8
+    assert b.total < a.total
+    assert replicated.trace_count == 1  # planning traced the step (and compiled it)
+    planning.check(a, limit=0)  # no limit: nothing to refuse
+    planning.check(a, limit=a.total)
+    with pytest.raises(ConfigError, match=r"GB per device.*mesh\.fsdp=True"):
+        planning.check(a, limit=a.total - 1)
+    tight = Island(
+        tiny_config(**_WIDE, **{"mesh.device_memory_gb": 1e-6}), jax.devices()[:1], (1, 1)
+    )
+    with pytest.raises(ConfigError, match=r"more than the 0\.00 GB"):
+        planning.check_island(tight)  # before anything is allocated or compiled
+    assert tight.trace_count == 0

@@ -153,6 +153,22 @@ class FlatStep:
 
         self._step = jax.jit(step)
 
+    def warm_up(self) -> None:
+        """Compiles the step (one chunk of zeros: no fragment-sized temporaries)."""
+        n, state = self.chunk, self.init_chunk()
+        self._step(
+            np.zeros(n, np.float32),
+            jax.tree.unflatten(self.treedef(), state),
+            np.zeros(n, np.float32),
+        )
+
+    def init_chunk(self) -> list[np.ndarray]:
+        """The optimizer's state for one chunk (as `init`, at the chunk's size)."""
+        return [
+            np.array(x)
+            for x in jax.tree.leaves(self.tx.init({"flat": np.zeros(self.chunk, np.float32)}))
+        ]
+
     def init(self) -> list[np.ndarray]:
         """The optimizer's state for a vector of `size` values, as a list of numpy leaves."""
         return [

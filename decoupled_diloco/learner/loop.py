@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from decoupled_diloco import runtime
+from decoupled_diloco import planning, runtime
 from decoupled_diloco.comm.faulty_link import DegradedLink
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
@@ -153,6 +153,7 @@ class Learner:
             check_checkpointable(batches, c)
         tokens_per_step = self.island.task.tokens_per_step(c.data.batch_size)
         self.startup["data_loaded"] = time.time()
+        planning.check_island(self.island)  # the state's shards fit, before any is allocated
         if self.checkpoints is not None:  # a restart resumes its checkpoint and data position
             self._mark("restoring")
             fresh = lambda: self.island.init(c.seed, self.id)  # noqa: E731
@@ -170,6 +171,8 @@ class Learner:
             self._mark("compiling" if first else "stepping", step)
             t_step = time.perf_counter()
             batch = next(batches)
+            if first:  # refused here, with what would fit, rather than out of memory
+                planning.check_island(self.island, self._batch(batch))
             self.data_position += 1
             if self.checkpoints is not None:
                 self.checkpoints.drew(self.data_position)  # before the step: see the data rule

@@ -42,7 +42,6 @@ def main(argv: list[str]) -> None:
     if not values["verbosity"].present:  # Orbax logs every commit at INFO
         logging.set_verbosity(logging.WARNING)
     runtime.use_compile_cache()
-    runtime.return_large_frees()  # memory stays flat over rounds (see there)
     config = config_lib.from_config_dict(values.config)
     hook = values.debug_pause_in_merge
     server = SyncerServer(

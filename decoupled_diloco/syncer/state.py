@@ -167,10 +167,7 @@ class SyncerState:
     def warm_up(self) -> None:
         """Compiles every fragment's outer step now, so the first real round is not slow."""
         for p in sorted(self.owned):
-            frag = self.fragments[p]
-            self._steps[p](
-                frag.flat, frag.opt_state, np.zeros_like(frag.flat), np.empty_like(frag.flat)
-            )
+            self._steps[p].warm_up()
 
     def _kept(self, p: int, values: Sequence[np.ndarray]) -> dict[int, np.ndarray]:
         """What the version history keeps of fragment p's values (see `FragmentState`)."""
