@@ -239,6 +239,47 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
     return lines
 
 
+def compiled_memory(sizes: list[str], devices: int = 8) -> list[str]:
+    """Per-device bytes of the compiled inner step, FSDP over 8 devices vs replicated."""
+    import jax
+    import numpy as np
+
+    from decoupled_diloco import config as c
+    from decoupled_diloco import planning
+    from decoupled_diloco.island import Island
+
+    lines = [
+        f"| size (params) | mesh | params + optimizer GB / device | ÷ (total / {devices}) "
+        "| temporaries GB / device | compile s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size in sizes:
+        for fsdp in (False, True):
+            config = c.replace(
+                config_for(size, 2),
+                **{"mesh.fsdp": fsdp, "model.dtype": "bfloat16", "data.batch_size": devices},
+            )
+            island = Island(config, jax.devices()[:devices], mesh_shape=(devices, 1))
+            batch = jax.ShapeDtypeStruct((devices, config.model.seq_len + 1), np.int32)
+            t0 = time.perf_counter()
+            memory = planning.plan(island, batch)
+            took = time.perf_counter() - t0
+            state = island.abstract_state
+            total = sum(
+                int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                for x in jax.tree.leaves((state.params, state.opt_state))
+            )
+            params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+            mine = memory.params + memory.opt_state
+            lines.append(
+                f"| {size} ({params / 1e6:.0f}M) | {devices}x1{' fsdp' if fsdp else ''} | "
+                f"{mine / 1e9:.3f} | {mine / (total / devices):.2f} | {memory.temp / 1e9:.3f} | "
+                f"{took:.0f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="")
@@ -246,7 +287,33 @@ def main() -> None:
     parser.add_argument("--learners", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--label", default="", help="A heading for this run (e.g. before).")
+    parser.add_argument("--section", default="syncer", help="syncer | memory")
     args = parser.parse_args()
+    if args.section == "memory":
+        from decoupled_diloco.runtime import configure_cpu_devices
+
+        configure_cpu_devices(8)
+        lines = compiled_memory(args.sizes.split(","))
+        command = f"python -m tools.bench_scale --section=memory --sizes={args.sizes}"
+        section = "\n".join(
+            [
+                "### Compiled memory per device: FSDP over 8 devices vs replicated",
+                "",
+                f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}); 8 fake "
+                "CPU devices, mesh (8, 1), bf16 compute, AdamW, batch 8 x 1024 tokens; "
+                "parameter and optimizer bytes from the shardings, temporaries from the "
+                "compiled step's `memory_analysis()` (`decoupled_diloco.planning`).",
+                "",
+                *lines,
+                "",
+            ]
+        )
+        print(section)
+        if args.out:
+            path = pathlib.Path(args.out)
+            old = path.read_text() if path.exists() else ""
+            path.write_text(old + ("\n" if old else "") + section)
+        return
     memcpy = memcpy_gbs()
     print(f"memcpy {memcpy:.1f} GB/s", flush=True)
     cells = []

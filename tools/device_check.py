@@ -1,0 +1,201 @@
+"""The accelerator check (issue 20): inner-step speed and MFU, and a short decoupled run.
+
+  bash tools/device_check.sh                      # on a GPU machine: lm_125m and lm_1b, bf16
+  python -m tools.device_check --sizes=tiny --out=/tmp/gpu.md   # anywhere (the CPU test)
+
+1. Inner step of each size in bfloat16 on one device: tokens/s of the framework's step
+   (`Island.step`, the learners' own) and of a bare `jax.jit` step of the same model, loss and
+   optimizer (nothing but value_and_grad and the optax update); their ratio; and the MFU,
+   model FLOPs (6·N per token plus attention, 12·L·T·d) per second over the device's dense
+   bf16 peak (known devices only).
+2. A decoupled run of 2 learners of the first size (`experiments.train`, learners on the
+   accelerator, the syncer on the host CPU): goodput, stall, merges, final loss.
+
+Writes a markdown section (`--out`) with the command, the device and every number it saw.
+Everything comes from the checkout and pip; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Dense bf16 peak FLOP/s by device kind (vendor data sheets; sparse figures are twice these).
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "B200": 2250e12}
+SIZES = {
+    "tiny": "experiments/configs/tiny_lm.py",
+    "125m": "experiments/configs/lm_125m.py",
+    "1b": "experiments/configs/lm_1b.py",
+}
+
+
+def _config(size: str, batch_size: int, seq_len: int):
+    import importlib.util
+
+    from decoupled_diloco import config as c
+
+    spec = importlib.util.spec_from_file_location("size_config", ROOT / SIZES[size])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = c.from_config_dict(module.get_config())
+    overrides = {"model.dtype": "bfloat16", "data.batch_size": batch_size}
+    if seq_len:
+        overrides["model.seq_len"] = seq_len
+    return c.replace(config, **overrides)
+
+
+def model_flops_per_token(config, params: int) -> float:
+    """Training FLOPs per token: 6·N for the weights, plus attention scores (12·L·T·d)."""
+    m = config.model
+    return 6.0 * params + 12.0 * m.num_layers * m.seq_len * m.d_model
+
+
+def step_speed(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
+    """Tokens/s of the framework's inner step and of a bare jitted step, one device."""
+    import jax
+    import numpy as np
+    import optax
+
+    from decoupled_diloco.island import Island
+
+    config = _config(size, batch_size, seq_len)
+    device = jax.devices()[0]
+    island = Island(config, [device], mesh_shape=(1, 1))
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, 256, (batch_size, config.model.seq_len + 1)).astype(np.int32)
+    tokens = batch_size * config.model.seq_len
+
+    def timed(step, state):
+        state, loss = step(state)  # compile
+        jax.block_until_ready(loss)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, loss = step(state)
+        jax.block_until_ready(loss)
+        return steps * tokens / (time.perf_counter() - t0), float(loss), state
+
+    placed = island.put_batch(batch)
+    state = island.init(0)
+    params = sum(int(x.size) for x in jax.tree.leaves(state.params))
+    framework, loss_f, state = timed(lambda s: island.step(s, placed), state)
+    del state
+    # The bare step: the same model, loss and optimizer, nothing else.
+    task, tx = island.task, island.tx
+    fresh = island.init(0)
+    graphdef = island.graphdef
+
+    @jax.jit
+    def bare(params, opt_state, tokens_BT1):
+        def loss_of(p):
+            return task.train_loss(graphdef, p, fresh.local, tokens_BT1)[0]
+
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def bare_step(s):
+        p, o, loss = bare(s[0], s[1], placed)
+        return (p, o), loss
+
+    bare_rate, loss_b, _ = timed(bare_step, (fresh.params, fresh.opt_state))
+    flops = model_flops_per_token(config, params)
+    kind = device.device_kind
+    peak = next((v for k, v in PEAK_BF16.items() if k in kind), 0.0)
+    return {
+        "size": size,
+        "params": params,
+        "device": kind,
+        "batch": batch_size,
+        "seq_len": config.model.seq_len,
+        "framework_tokens_s": framework,
+        "bare_tokens_s": bare_rate,
+        "ratio": framework / bare_rate,
+        "mfu": framework * flops / peak if peak else float("nan"),
+        "losses": (loss_f, loss_b),
+    }
+
+
+def decoupled_run(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
+    """A short decoupled run of 2 learners (`experiments.train`); its summary's numbers."""
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_"))
+    flags = [
+        f"--config={SIZES[size]}",
+        f"--workdir={workdir}",
+        "--config.mode=decoupled",
+        "--config.model.dtype=bfloat16",
+        f"--config.data.batch_size={batch_size}",
+        f"--config.train_steps={steps}",
+        f"--config.inner_steps={max(steps // 4, 2)}",
+        "--config.checkpoint.every=0",
+        f"--config.eval.every={steps}",
+        "--config.eval.batches=2",
+    ]
+    if seq_len:
+        flags.append(f"--config.model.seq_len={seq_len}")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "experiments.train", *flags], cwd=ROOT, check=True)
+    summary = json.loads((workdir / "summary.json").read_text())
+    keep = ("goodput", "stall_fraction_max", "final_train_loss", "final_eval_loss", "tokens")
+    out = {k: summary[k] for k in keep if k in summary}
+    out["merges"] = len(summary.get("merge_log", []))
+    out["merge_s_mean"] = sum(m.get("merge_s", 0.0) for m in summary.get("merge_log", [])) / max(
+        out["merges"], 1
+    )
+    out["process_wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="125m,1b")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=0, help="0: the config's")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--run_steps", type=int, default=40, help="of the decoupled run")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    sizes = args.sizes.split(",")
+    rows = [step_speed(s, args.batch_size, args.seq_len, args.steps) for s in sizes]
+    run = decoupled_run(sizes[0], args.batch_size, args.seq_len, args.run_steps)
+    command = "python -m tools.device_check " + " ".join(sys.argv[1:])
+    lines = [
+        f"## Device check ({rows[0]['device']})",
+        "",
+        f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}), bfloat16 "
+        "compute, float32 parameters and optimizer state, one device per learner.",
+        "",
+        "| size | params | batch × seq | framework tokens/s | bare jit tokens/s | ratio | MFU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq_len']} | "
+            f"{r['framework_tokens_s']:.0f} | {r['bare_tokens_s']:.0f} | {r['ratio']:.3f} | "
+            f"{r['mfu']:.1%} |"
+        )
+    lines += [
+        "",
+        f"Decoupled run, 2 learners of {sizes[0]}, {args.run_steps} steps (syncer on the host "
+        "CPU): " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                             for k, v in run.items()),
+        "",
+    ]  # fmt: skip
+    section = "\n".join(lines)
+    print(section)
+    if args.out:
+        path = pathlib.Path(args.out)
+        old = path.read_text() if path.exists() else ""
+        path.write_text(old + ("\n" if old else "") + section)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    main()
