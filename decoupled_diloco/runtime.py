@@ -96,3 +96,17 @@ def process_start_time() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
+
+
+def trim_memory() -> None:
+    """Returns the C heap's free memory to the OS (glibc `malloc_trim`; elsewhere nothing).
+
+    glibc keeps freed memory in its arenas: after XLA initialises a model on the CPU, or after
+    a merge's and a snapshot's temporaries on many threads, a process's RSS would stay at its
+    high-water mark (measured: 2.7 GB retained after initialising a 1.5 GB model, 1.7 GB once
+    trimmed). The syncer calls this after start-up, merges and snapshots.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

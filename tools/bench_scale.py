@@ -280,6 +280,130 @@ def compiled_memory(sizes: list[str], devices: int = 8) -> list[str]:
     return lines
 
 
+def learner_child(size: str, address: str, steps: int, step_s: float) -> None:
+    """A learner with synthetic steps (`DecoupledSync` in a plain loop); prints one JSON line.
+
+    Each step touches every parameter once (a jitted elementwise update, as a real step
+    writes them) and then waits out `step_s`; the time spent in the two sync calls is the
+    learner's stall.
+    """
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    import decoupled_diloco as dd
+    from decoupled_diloco import tasks
+
+    config = config_for(size, 1)
+    config = dd.replace(config, **{"decoupled.quorum": 1, "train_steps": steps})
+    task = tasks.make_task(config)
+    params = task.init_params(config.seed)
+    model = sum(x.nbytes for x in jax.tree.leaves(params))
+    touch = jax.jit(
+        lambda p: jax.tree.map(lambda x: x * jnp.float32(1.0 - 1e-7), p), donate_argnums=0
+    )
+    tokens = config.data.batch_size * config.model.seq_len
+    stall = 0.0
+    t_run = time.perf_counter()
+    with dd.DecoupledSync(config, learner_id=0, syncer=address, params=params, task=task) as sync:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            params = sync.apply_arrivals(params)
+            stall += time.perf_counter() - t0
+            t_step = time.perf_counter()
+            params = jax.block_until_ready(touch(params))
+            time.sleep(max(step_s - (time.perf_counter() - t_step), 0.0))
+            t0 = time.perf_counter()
+            sync.step_done(params, tokens=tokens, loss=jnp.float32(1.0))
+            stall += time.perf_counter() - t0
+        versions = list(sync.versions)
+    wall = time.perf_counter() - t_run
+    hwm, rss = proc_memory(os.getpid())
+    print(
+        "RESULT "
+        + json.dumps(
+            {"model": model, "hwm": hwm, "rss": rss, "stall": stall, "wall": wall,
+             "versions": versions}
+        ),
+        flush=True,
+    )  # fmt: skip
+
+
+def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
+    """Per size: a syncer process and one synthetic learner process; the learner's numbers."""
+    import json
+
+    from decoupled_diloco.config import write_config_file
+    from decoupled_diloco.local.procs import reap
+
+    lines = [
+        "| size (params) | steps × step s | pushes | stall % of wall | learner peak RSS GB "
+        "| peak ÷ model |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size in sizes:
+        config = config_for(size, 1)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_scale_learner_"))
+        env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
+        syncer = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "decoupled_diloco.syncer",
+                f"--config={write_config_file(config, tmp / 'config.py')}",
+                "--port=0",
+                f"--port_file={tmp / 'syncer.port'}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            port = _wait_port(tmp / "syncer.port", syncer)
+            child = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "tools.bench_scale",
+                    "--section=learner_child",
+                    f"--sizes={size}",
+                    f"--address=127.0.0.1:{port}",
+                    f"--steps={steps}",
+                    f"--step_s={step_s}",
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=3600,
+                check=True,
+            )
+        finally:
+            reap([syncer])
+            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+        line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
+        r = json.loads(line[len("RESULT ") :])
+        pushes = sum(r["versions"])
+        lines.append(
+            f"| {size} ({r['model'] / 4e6:.0f}M) | {steps} × {step_s} | {pushes} merged | "
+            f"{100 * r['stall'] / r['wall']:.2f} | {r['hwm'] / 1e9:.2f} | "
+            f"{r['hwm'] / r['model']:.2f} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def _write(out: str, title: str, text: str, lines: list[str]) -> None:
+    """Prints a section and appends it to `out` (if given)."""
+    section = "\n".join([title, "", text, "", *lines, ""])
+    print(section)
+    if out:
+        path = pathlib.Path(out)
+        old = path.read_text() if path.exists() else ""
+        path.write_text(old + ("\n" if old else "") + section)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="")
@@ -287,32 +411,46 @@ def main() -> None:
     parser.add_argument("--learners", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--label", default="", help="A heading for this run (e.g. before).")
-    parser.add_argument("--section", default="syncer", help="syncer | memory")
+    parser.add_argument("--section", default="syncer", help="syncer | memory | learner")
+    parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--step_s", type=float, default=0.5)
     args = parser.parse_args()
+    if args.section == "learner_child":
+        learner_child(args.sizes, args.address, args.steps, args.step_s)
+        return
+    if args.section == "learner":
+        lines = learner_cells(args.sizes.split(","), args.steps, args.step_s)
+        command = (
+            f"python -m tools.bench_scale --section=learner --sizes={args.sizes} "
+            f"--steps={args.steps} --step_s={args.step_s}"
+        )
+        _write(
+            args.out,
+            "### A learner pushing a large model: stall and host memory",
+            f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}); one learner "
+            "process with synthetic steps (`DecoupledSync` in a plain loop: each step rewrites "
+            "every parameter, then waits out the step time), H = 100, 4 fragments, a syncer "
+            "process without checkpoints, quorum 1, float32 pushes. Stall: time inside "
+            "`apply_arrivals` and `step_done`. On CPU the parameters themselves are host memory.",
+            lines,
+        )
+        return
     if args.section == "memory":
         from decoupled_diloco.runtime import configure_cpu_devices
 
         configure_cpu_devices(8)
         lines = compiled_memory(args.sizes.split(","))
         command = f"python -m tools.bench_scale --section=memory --sizes={args.sizes}"
-        section = "\n".join(
-            [
-                "### Compiled memory per device: FSDP over 8 devices vs replicated",
-                "",
-                f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}); 8 fake "
-                "CPU devices, mesh (8, 1), bf16 compute, AdamW, batch 8 x 1024 tokens; "
-                "parameter and optimizer bytes from the shardings, temporaries from the "
-                "compiled step's `memory_analysis()` (`decoupled_diloco.planning`).",
-                "",
-                *lines,
-                "",
-            ]
+        _write(
+            args.out,
+            "### Compiled memory per device: FSDP over 8 devices vs replicated",
+            f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}); 8 fake "
+            "CPU devices, mesh (8, 1), bf16 compute, AdamW, batch 8 x 1024 tokens; "
+            "parameter and optimizer bytes from the shardings, temporaries from the "
+            "compiled step's `memory_analysis()` (`decoupled_diloco.planning`).",
+            lines,
         )
-        print(section)
-        if args.out:
-            path = pathlib.Path(args.out)
-            old = path.read_text() if path.exists() else ""
-            path.write_text(old + ("\n" if old else "") + section)
         return
     memcpy = memcpy_gbs()
     print(f"memcpy {memcpy:.1f} GB/s", flush=True)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from decoupled_diloco import runtime
 from decoupled_diloco.checkpointing import IslandCheckpointer
 from decoupled_diloco.syncer import wal
 from decoupled_diloco.syncer.payloads import Payload
@@ -283,6 +284,7 @@ class Committer:
             self.state.store.purge(kept[0])
         self.snapshots += 1
         self.snapshot_time_s += time.perf_counter() - t0
+        runtime.trim_memory()  # Orbax's copy of the state is freed now: give it back
 
     def _run(self) -> None:
         state = self.state

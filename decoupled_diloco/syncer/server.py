@@ -21,7 +21,7 @@ import grpc
 import jax
 import numpy as np
 
-from decoupled_diloco import tasks
+from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import wire
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import fragments as F
@@ -164,6 +164,8 @@ class SyncerServer:
             )
             self.restored_step = self.committer.restore()
         self.state.warm_up()
+        del values  # version 0 is in the state now; what initialising it left goes back
+        runtime.trim_memory()
         self.fingerprint = task.fingerprint(
             sorted((x for f in cut for x in f), key=lambda x: x.index)
         )
@@ -200,11 +202,16 @@ class SyncerServer:
         self._closer = threading.Thread(target=self._close_rounds, daemon=True)
 
     def _close_rounds(self) -> None:
+        merges = -1
         while not self._stop.is_set():
             deadline = self.state.next_deadline()
             wait = 0.05 if deadline is None else max(min(deadline - self.state.clock(), 0.05), 0)
             self._stop.wait(wait)
             self.state.tick()
+            done = sum(f.merges for f in self.state.fragments)
+            if done != merges:  # a merge's temporaries are freed: give them back (outside the lock)
+                merges = done
+                runtime.trim_memory()
 
     def start(self) -> SyncerServer:
         """Starts serving; returns self."""
