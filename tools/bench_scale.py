@@ -62,6 +62,14 @@ def proc_memory(pid: int) -> tuple[int, int]:
     return fields["VmHWM"], fields["VmRSS"]
 
 
+def reset_peak(pid: int) -> None:
+    """Resets a process's VmHWM to its current RSS (Linux `clear_refs` 5), where allowed."""
+    try:
+        pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def proc_written(pid: int) -> int:
     """Bytes a process caused to be written to storage (`/proc/PID/io` write_bytes)."""
     for line in pathlib.Path(f"/proc/{pid}/io").read_text().splitlines():
@@ -150,6 +158,7 @@ def run_cell(size: str, learners: int, rounds: int) -> dict:
         tokens = config.inner_steps * config.data.batch_size * config.model.seq_len
         for r in range(rounds):
             written0 = proc_written(syncer.pid)
+            reset_peak(syncer.pid)  # this round's peak, not start-up's
             errors: list[BaseException] = []
 
             def learner(i: int, r: int = r, errors: list = errors) -> None:
@@ -221,8 +230,8 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
     """The markdown rows of every cell."""
     lines = [
         "| size (params) | M | round | push s | merge s (all fragments) | merge GB/s (M × bytes) "
-        "| ÷ memcpy | written MB | started GB | peak RSS GB | peak ÷ model "
-        "| (peak − started) ÷ model | RSS GB |",
+        "| ÷ memcpy | written MB | started GB (peak) | round peak GB | peak ÷ model "
+        "| RSS GB | RSS ÷ model |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
@@ -232,9 +241,9 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
             lines.append(
                 f"| {cell['size']} ({cell['params'] / 1e6:.1f}M) | {cell['learners']} | "
                 f"{row['round']} | {row['push_s']:.1f} | {row['merge_s']:.2f} | {rate:.2f} | "
-                f"{rate / memcpy:.2f} | {row['written_mb']:.0f} | {cell['start_rss'] / 1e9:.2f} | "
-                f"{row['hwm'] / 1e9:.2f} | {row['hwm'] / model:.1f} | "
-                f"{(row['hwm'] - cell['start_rss']) / model:.1f} | {row['rss'] / 1e9:.2f} |"
+                f"{rate / memcpy:.2f} | {row['written_mb']:.0f} | {cell['start_rss'] / 1e9:.2f} "
+                f"({cell['start_hwm'] / 1e9:.2f}) | {row['hwm'] / 1e9:.2f} | "
+                f"{row['hwm'] / model:.1f} | {row['rss'] / 1e9:.2f} | {row['rss'] / model:.1f} |"
             )
     return lines
 
@@ -394,6 +403,40 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
     return lines
 
 
+def precision(steps: int) -> list[str]:
+    """tiny_lm trained in float32 and in bfloat16 compute (float32 parameters): the losses."""
+    import tempfile as tf
+
+    import decoupled_diloco as dd
+    from decoupled_diloco import config as c
+
+    lines = ["| compute dtype | final train loss | final eval loss | wall s |", "|---|---|---|---|"]
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        base = c.ExperimentConfig(
+            mode="dp",
+            num_learners=1,
+            train_steps=steps,
+            inner_steps=50,
+            model=c.ModelConfig(
+                vocab_size=256, d_model=128, num_layers=2, num_heads=4, mlp_hidden=512, seq_len=128
+            ),
+            data=c.DataConfig(batch_size=16),
+            optim=c.OptimConfig(lr=3e-3),
+            eval=c.EvalConfig(every=steps, batches=8),
+        )
+        config = c.replace(base, **{"model.dtype": dtype})
+        summary = dd.train_and_evaluate(config, tf.mkdtemp(prefix="bench_precision_")).summary
+        results[dtype] = summary
+        lines.append(
+            f"| {dtype} | {summary['final_train_loss']:.4f} | {summary['final_eval_loss']:.4f} | "
+            f"{summary['wall_s']:.0f} |"
+        )
+    a, b = (results[d]["final_eval_loss"] for d in ("float32", "bfloat16"))
+    lines += ["", f"bfloat16 / float32 final eval loss: {b / a:.4f} (target: within 1%)."]
+    return lines
+
+
 def _write(out: str, title: str, text: str, lines: list[str]) -> None:
     """Prints a section and appends it to `out` (if given)."""
     section = "\n".join([title, "", text, "", *lines, ""])
@@ -416,6 +459,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--step_s", type=float, default=0.5)
     args = parser.parse_args()
+    if args.section == "precision":
+        _write(
+            args.out,
+            "### Mixed precision: bfloat16 compute against float32 (tiny_lm)",
+            f"Command: `python -m tools.bench_scale --section=precision --steps={args.steps}` "
+            f"(run {datetime.datetime.now():%Y-%m-%d %H:%M}); the tiny_lm model (0.5M "
+            f"parameters), one learner (`dp`), {args.steps} steps, same seed and data; "
+            "parameters and optimizer state float32 in both, loss in float32.",
+            precision(args.steps),
+        )
+        return
     if args.section == "learner_child":
         learner_child(args.sizes, args.address, args.steps, args.step_s)
         return
@@ -468,8 +522,9 @@ def main() -> None:
             "",
             f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}); memcpy "
             f"{memcpy:.1f} GB/s in the same run. Syncer process with a checkpoint directory "
-            f"(WAL + snapshots), {FRAGMENTS} fragments, quorum M, float32 pushes; peak RSS "
-            "is the process's VmHWM since it started (initialisation included).",
+            f"(WAL + snapshots), {FRAGMENTS} fragments, quorum M, float32 pushes. 'started': "
+            "the syncer's RSS once serving, and its peak while starting (VmHWM then); 'peak': "
+            "its VmHWM during the round (reset when the round starts); 'RSS': after the round.",
             "",
             *table(cells, memcpy),
             "",
