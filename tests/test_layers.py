@@ -24,6 +24,7 @@ LAYERS = {
     "optim": 2,
     "checkpointing": 2,
     "island": 2,
+    "planning": 3,
     "chaos": 3,
     "obs": 3,
     "sim": 3,

@@ -1,7 +1,10 @@
 """Scale: the syncer with M synthetic learners at 25M-1B parameters (issue 20).
 
-  python -m tools.bench_scale --out=benchmarks/results/scale.md
-  python -m tools.bench_scale --sizes=25m,125m --learners=2,4,8 --rounds=3
+  python -m tools.bench_scale --out=benchmarks/results/scale.md     # every section (`make bench`)
+  python -m tools.bench_scale --section=syncer --sizes=125m,350m --learners=2,4,8 --rounds=3
+  python -m tools.bench_scale --section=memory --sizes=125m,350m,1b   # compiled memory, 8 devices
+  python -m tools.bench_scale --section=learner --sizes=125m          # a learner's stall and RSS
+  python -m tools.bench_scale --section=precision --steps=200         # bf16 vs float32, tiny_lm
 
 Per (size, M): a syncer process started as an operator would (`python -m
 decoupled_diloco.syncer --checkpoint_dir=...`: write-ahead log and Orbax snapshots on), 4
@@ -454,11 +457,25 @@ def main() -> None:
     parser.add_argument("--learners", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--label", default="", help="A heading for this run (e.g. before).")
-    parser.add_argument("--section", default="syncer", help="syncer | memory | learner")
+    parser.add_argument(
+        "--section", default="all", help="all | syncer | memory | learner | precision"
+    )
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--step_s", type=float, default=0.5)
     args = parser.parse_args()
+    if args.section == "all":  # each in its own process (`memory` fakes 8 devices first)
+        if args.out:
+            pathlib.Path(args.out).write_text("")
+        for section, extra in (
+            ("syncer", [f"--sizes={args.sizes}", f"--learners={args.learners}"]),
+            ("memory", ["--sizes=125m,350m,1b"]),
+            ("learner", ["--sizes=125m", "--steps=200", "--step_s=0.5"]),
+            ("precision", ["--steps=200"]),
+        ):
+            command = [sys.executable, "-m", "tools.bench_scale", f"--section={section}", *extra]
+            subprocess.run(command + ([f"--out={args.out}"] if args.out else []), check=True)
+        return
     if args.section == "precision":
         _write(
             args.out,

@@ -133,7 +133,7 @@ def decoupled_run(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
         "--config.model.dtype=bfloat16",
         f"--config.data.batch_size={batch_size}",
         f"--config.train_steps={steps}",
-        f"--config.inner_steps={max(steps // 4, 2)}",
+        f"--config.inner_steps={max(steps // 4, 4)}",  # at least the 4 fragments
         "--config.checkpoint.every=0",
         f"--config.eval.every={steps}",
         "--config.eval.batches=2",
