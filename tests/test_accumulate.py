@@ -135,6 +135,51 @@ def test_the_folded_merge_is_the_stacked_outer_round(case):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=spec.name)
 
 
+def test_shares_and_factor_keep_equal_weights_proportional():
+    """A lone push (or equal weights) needs no read-back: its share is factor x weight."""
+    assert outer.shares_and_factor([5.0], 0.8) == ([1.0], 0.2)
+    shares, factor = outer.shares_and_factor([2.0, 2.0, 2.0], 0.3)
+    assert shares == [1 / 3] * 3 and factor == pytest.approx(1 / 6)
+    assert outer.shares_and_factor([1.0, 3.0, 2.0], 0.3) == ([1 / 3] * 3, 0.0)
+
+
+def test_a_merge_that_fails_half_way_drops_its_round_and_the_next_one_merges(monkeypatch):
+    """A push that cannot be read back while the round closes: the round is dropped, the
+    fragment stays as it was (no half-scaled sums are merged later), the next round merges."""
+    from decoupled_diloco.syncer import payloads
+
+    config = _config(**{"decoupled.syncer.max_weight_share": 0.5, "decoupled.quorum": 3})
+    cut, values = initial_fragments(config)
+    state = SyncerState(config, cut, values)
+    for i in range(4):
+        state.register(i, "")
+    specs, before = cut[0], [v.copy() for v in state.fragments[0].values]
+    frag = state.fragments[0]
+    state.push(Push(0, 0, 0, 0, 4, 1024, _deltas(specs, 0)))
+    state.push(Push(1, 0, 0, 0, 4, 8192, _deltas(specs, 1)))  # capped: read back at close
+    unreadable = frag.pending[1].parts[0][1]
+    real = payloads.Payload.tensors
+    monkeypatch.setattr(
+        payloads.Payload,
+        "tensors",
+        lambda self, check=False: iter([None]) if self is unreadable else real(self, check),
+    )
+    state.push(Push(2, 0, 0, 0, 4, 1024, _deltas(specs, 2)))  # quorum: the round closes
+    assert frag.version == 0 and frag.refused_merges == 1 and not frag.pending
+    assert frag.round is None
+    for got, want in zip(frag.values, before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    monkeypatch.setattr(payloads.Payload, "tensors", real)
+    pushes = [(_deltas(specs, 5 + i), 4, 1024) for i in range(2)]
+    pushes.append((_deltas(specs, 4), 4, 1024))
+    for i, (delta, steps, tokens) in enumerate(pushes):
+        state.push(Push(i, 0, 1, 0, steps, tokens, delta))
+    assert frag.version == 1
+    want = _reference(config, specs, before, pushes, lambda n: False, lambda n: False)
+    for got, ref in zip(frag.values, want, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_an_open_round_holds_one_buffer_and_the_pushes_stay_in_files(tmp_path):
     """Through the server: no push is kept in memory; files go when nothing needs them."""
     config = _config(**{"decoupled.syncer.snapshot_s": 0.0})

@@ -74,8 +74,9 @@ def bounded_shares(weights: Sequence[float], cap: float) -> list[float]:
 def shares_and_factor(weights: Sequence[float], cap: float) -> tuple[list[float], float]:
     """`bounded_shares`, and the factor c with share = c · weight for every entry not capped.
 
-    c is 0 when no entry is proportional to its weight (all capped, or equal shares); the
-    syncer folds weights as pushes arrive and rescales its sums by c when the round closes.
+    c is 0 when no entry is proportional to its weight (all capped, or equal shares of unequal
+    weights); the syncer folds weights as pushes arrive and rescales its sums by c when the
+    round closes.
     """
     w = [float(x) if math.isfinite(float(x)) and float(x) > 0 else 0.0 for x in weights]
     total = math.fsum(w)
@@ -83,7 +84,10 @@ def shares_and_factor(weights: Sequence[float], cap: float) -> tuple[list[float]
         return [0.0] * len(w), 0.0
     positive = [i for i, x in enumerate(w) if x > 0]  # zero weights keep a zero share
     if cap * len(positive) <= 1.0:
-        return [1.0 / len(positive) if x > 0 else 0.0 for x in w], 0.0
+        equal = [1.0 / len(positive) if x > 0 else 0.0 for x in w]
+        # Equal weights (a lone push, say) are still proportional to their shares.
+        same = all(w[i] == w[positive[0]] for i in positive)
+        return equal, (1.0 / (len(positive) * w[positive[0]]) if same else 0.0)
     shares, fixed, factor = [x / total for x in w], set(), 1.0 / total
     while True:
         over = {i for i, s in enumerate(shares) if s > cap and i not in fixed}

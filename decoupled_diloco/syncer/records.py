@@ -153,8 +153,9 @@ class FragmentState:
         if flat.size == 0:  # a fragment another shard owns: no values
             self.values = [flat] * len(self.specs)
             return
-        self.values, at = [], 0
+        values, at = [], 0
         for s in self.specs:
             n = math.prod(s.shape)
-            self.values.append(flat[at : at + n].reshape(s.shape))
+            values.append(flat[at : at + n].reshape(s.shape))
             at += n
+        self.values = values  # one assignment: readers outside the lock see old or new

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import jax
 import numpy as np
+from absl import logging
 
 from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import wire
@@ -207,7 +208,10 @@ class SyncerServer:
             deadline = self.state.next_deadline()
             wait = 0.05 if deadline is None else max(min(deadline - self.state.clock(), 0.05), 0)
             self._stop.wait(wait)
-            self.state.tick()
+            try:
+                self.state.tick()
+            except Exception:  # noqa: BLE001 - keep closing rounds; the error is logged
+                logging.exception("[syncer] closing rounds failed")
             done = sum(f.merges for f in self.state.fragments)
             if done != merges:  # a merge's temporaries are freed: give them back (outside the lock)
                 merges = done
@@ -227,6 +231,8 @@ class SyncerServer:
         self.server.stop(grace_s).wait()
         self.service.guard.close()
         self.service.control.close()
+        if self._closer.is_alive():  # a merge in progress ends before its files go
+            self._closer.join(timeout=30)
         if self.committer is not None:
             self.committer.stop()
         self.state.store.close()

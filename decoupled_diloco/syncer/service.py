@@ -313,6 +313,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         except PushRefused as error:
             self.state.store.drop(push.delta.path)
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
+        except BaseException:
+            self.state.store.drop(push.delta.path)
+            raise
         if result.duplicate or not result.accepted:
             self.state.store.drop(push.delta.path)  # the state did not keep it
         self._durable(context)  # acknowledged only once a restart cannot lose it

@@ -278,7 +278,17 @@ class SyncerState:
                         f"steps={push.steps} on top of the pending {previous.steps} pass "
                         f"train_steps={self.config.train_steps}"
                     )
-                self._add(frag, push)
+                try:
+                    self._add(frag, push)
+                except Exception as error:  # noqa: BLE001 - a half-done fold: drop the round
+                    pushes = [frag.pending[i] for i in sorted(frag.pending)]
+                    self._refuse_merge(
+                        push.fragment, pushes, f"a fold failed: {type(error).__name__}: {error}"
+                    )
+                    raise PushRefused(
+                        f"the syncer could not fold this push ({type(error).__name__}: {error}); "
+                        "its fragment's open round was dropped"
+                    ) from None
                 result = PushResult(True, version=frag.version)
             self.seen[key] = result
             info.pushes += 1
@@ -429,6 +439,20 @@ class SyncerState:
             return min(times) if times else None
 
     def _merge(self, p: int) -> None:
+        """Closes fragment p's round (see `_close`); a close that fails drops the round.
+
+        The round's sums are changed in place as it closes, so a failure half-way (a push file
+        that cannot be read back, memory) cannot be retried: its pushes are dropped as a refused
+        merge's are (logged by learner), and the fragment stays as it was.
+        """
+        try:
+            self._close(p)
+        except Exception as error:  # noqa: BLE001 - any failure: the same consistent way out
+            frag = self.fragments[p]
+            pushes = [frag.pending[i] for i in sorted(frag.pending)]
+            self._refuse_merge(p, pushes, f"the merge failed: {type(error).__name__}: {error}")
+
+    def _close(self, p: int) -> None:
         """Closes fragment p's round: the shares, the merged outer gradient, the outer step."""
         t0 = time.perf_counter()
         frag = self.fragments[p]
