@@ -113,11 +113,26 @@ def _wait_port(path: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 90
     raise TimeoutError("syncer did not start")
 
 
+def start_syncer(config, tmp: pathlib.Path, durable: bool) -> subprocess.Popen:
+    """`python -m decoupled_diloco.syncer` as an operator starts it (port in tmp/syncer.port)."""
+    from decoupled_diloco.config import write_config_file
+
+    command = [
+        sys.executable,
+        "-m",
+        "decoupled_diloco.syncer",
+        f"--config={write_config_file(config, tmp / 'config.py')}",
+        "--port=0",
+        f"--port_file={tmp / 'syncer.port'}",
+    ] + ([f"--checkpoint_dir={tmp / 'ckpt'}"] if durable else [])
+    env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+
+
 def run_cell(size: str, learners: int, rounds: int) -> dict:
     """One (size, M) cell: a syncer process and M pushing threads; the measurements."""
     from decoupled_diloco import tasks
     from decoupled_diloco.comm.client import SyncerClient
-    from decoupled_diloco.config import write_config_file
     from decoupled_diloco.core import fragments as F
     from decoupled_diloco.local.procs import reap
 
@@ -127,21 +142,7 @@ def run_cell(size: str, learners: int, rounds: int) -> dict:
     cut = F.partition(specs, FRAGMENTS)
     owned = sum(s.nbytes for s in specs)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_scale_"))
-    env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
-    syncer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "decoupled_diloco.syncer",
-            f"--config={write_config_file(config, tmp / 'config.py')}",
-            "--port=0",
-            f"--port_file={tmp / 'syncer.port'}",
-            f"--checkpoint_dir={tmp / 'ckpt'}",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
+    syncer = start_syncer(config, tmp, durable=True)
     rows = []
     try:
         port = _wait_port(tmp / "syncer.port", syncer)
@@ -346,7 +347,6 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
     """Per size: a syncer process and one synthetic learner process; the learner's numbers."""
     import json
 
-    from decoupled_diloco.config import write_config_file
     from decoupled_diloco.local.procs import reap
 
     lines = [
@@ -358,19 +358,7 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
         config = config_for(size, 1)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_scale_learner_"))
         env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
-        syncer = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "decoupled_diloco.syncer",
-                f"--config={write_config_file(config, tmp / 'config.py')}",
-                "--port=0",
-                f"--port_file={tmp / 'syncer.port'}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
+        syncer = start_syncer(config, tmp, durable=False)
         try:
             port = _wait_port(tmp / "syncer.port", syncer)
             child = subprocess.run(
