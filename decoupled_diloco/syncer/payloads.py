@@ -143,12 +143,6 @@ class PushStore:
         """A new file for one payload, written as its chunks arrive (`PushFile`)."""
         return PushFile(self)
 
-    def put(self, data: memoryview | bytes) -> str:
-        """Writes one payload to a new file; returns its path."""
-        file = self.create()
-        file.write(data)
-        return file.finish()
-
     def sync_directory(self) -> None:
         """Makes the directory's new entries durable."""
         fd = os.open(self.directory, os.O_RDONLY)
