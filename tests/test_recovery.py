@@ -425,7 +425,14 @@ def test_syncer_killed_in_the_middle_of_a_merge_loses_no_acknowledged_version(tm
         cluster.start_syncer()
         after = wait_until(cluster.versions, 120, "the restarted syncer")
         assert all(a >= b for a, b in zip(after, before, strict=True)), (after, before)
-        assert "resumed from commit" in cluster.log("syncer_0")
+        # The restarted syncer answers as soon as it serves, a moment before it prints its line.
+        started = wait_until(
+            lambda: cluster.log("syncer_0").count("listening on") == 2 and cluster.log("syncer_0"),
+            60,
+            "the restarted syncer's start line",
+        )
+        restart_line = [x for x in started.splitlines() if "listening on" in x][-1]
+        assert "resumed from commit" in restart_line, started
         summaries = cluster.finish()
         assert all(x["steps"] == STEPS and not x["errors"] for x in summaries), summaries
         assert sum(x["retries"] for x in summaries) > 0  # pushes waited out the outage
