@@ -13,6 +13,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -25,16 +26,41 @@ class IslandCheckpointer:
     Args:
       directory: where step folders are written (created if missing).
       max_to_keep: newest checkpoints kept; older ones are deleted after a successful save.
+      immutable_host_arrays: the state is numpy arrays that the caller never changes once
+        saved (the syncer: every merge writes new arrays). Orbax then writes them as they are,
+        uncompressed (float32 values hardly compress), instead of first copying every array
+        (`NumpyHandler`'s deep copy) and holding its compressed chunks: a snapshot costs no
+        memory beyond the state itself.
     """
 
-    def __init__(self, directory: str | pathlib.Path, max_to_keep: int = 3):
+    def __init__(
+        self,
+        directory: str | pathlib.Path,
+        max_to_keep: int = 3,
+        immutable_host_arrays: bool = False,
+    ):
         self.directory = pathlib.Path(directory).absolute()
+        self._in_place = immutable_host_arrays
+        handlers = None
+        if immutable_host_arrays:
+            scalar = ocp.type_handlers.ScalarHandler()
+            registry = ocp.type_handlers.create_type_handler_registry(
+                (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+                *((t, scalar) for t in (int, float, np.number)),
+            )
+            handlers = {
+                "state": ocp.PyTreeCheckpointHandler(
+                    type_handler_registry=registry, use_compression=False
+                ),
+                "meta": ocp.JsonCheckpointHandler(),
+            }
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True
             ),
-            item_names=("state", "meta"),
+            item_names=None if handlers else ("state", "meta"),
+            item_handlers=handlers,
         )
 
     def all_steps(self) -> list[int]:
@@ -48,11 +74,9 @@ class IslandCheckpointer:
         Raises:
           RuntimeError: Orbax declined the save (a checkpoint at this or a later step exists).
         """
+        save = ocp.args.PyTreeSave if self._in_place else ocp.args.StandardSave
         saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
+            step, args=ocp.args.Composite(state=save(state), meta=ocp.args.JsonSave(meta))
         )
         if not saved:
             raise RuntimeError(
@@ -77,11 +101,10 @@ class IslandCheckpointer:
 
     def restore(self, step: int, abstract_state: PyTree) -> tuple[PyTree, dict[str, Any]]:
         """Restores `step` onto the shapes, dtypes and shardings of `abstract_state`."""
+        restore = ocp.args.PyTreeRestore if self._in_place else ocp.args.StandardRestore
         restored = self._manager.restore(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
+            args=ocp.args.Composite(state=restore(abstract_state), meta=ocp.args.JsonRestore()),
         )
         return restored.state, dict(restored.meta)
 

@@ -249,3 +249,44 @@ def test_an_open_round_holds_one_buffer_and_the_pushes_stay_in_files(tmp_path):
             server.stop(0)
         if not durable:
             assert not store.directory.exists()  # the temporary store is removed
+
+
+def test_a_snapshot_holds_arrays_that_later_merges_never_write(tmp_path):
+    """Snapshots are written without copies: a merge must install new arrays (values, outer
+    momentum), never write into ones a snapshot may still be writing; and what is written
+    reads back as it was when the snapshot was taken."""
+    from decoupled_diloco.checkpointing import IslandCheckpointer
+    from decoupled_diloco.syncer.durability import snapshot
+
+    config = _config(**{"decoupled.quorum": 2, "outer.momentum": 0.9})
+    cut, values = initial_fragments(config)
+    state = SyncerState(config, cut, values)
+    for i in range(2):
+        state.register(i, "")
+    specs = cut[0]
+    for rnd in range(2):
+        for i in range(2):
+            state.push(Push(i, 0, rnd, rnd, 4, 1024, _deltas(specs, 10 * rnd + i)))
+    tree, meta, _ = snapshot(state)
+    held = [np.array(x) for x in tree["f0"]["values"] + tree["f0"]["opt"]]
+    for i in range(2):  # a third merge, after the snapshot was taken
+        state.push(Push(i, 0, 2, 2, 4, 1024, _deltas(specs, 20 + i)))
+    assert state.fragments[0].version == 3
+    for got, want in zip(tree["f0"]["values"] + tree["f0"]["opt"], held, strict=True):
+        np.testing.assert_array_equal(got, want)
+    n = len(tree["f0"]["values"])
+    moved = [
+        not np.array_equal(a, b) for a, b in zip(state.fragments[0].values, held[:n], strict=True)
+    ]
+    assert any(moved)  # (the merge did change the fragment, elsewhere)
+    checkpointer = IslandCheckpointer(tmp_path, immutable_host_arrays=True)
+    try:
+        checkpointer.save(meta["seq"], tree, meta)
+        checkpointer.wait()
+        restored, restored_meta = checkpointer.restore(meta["seq"], None)
+    finally:
+        checkpointer.close()
+    assert restored_meta["seq"] == meta["seq"]
+    for got, want in zip(restored["f0"]["values"] + restored["f0"]["opt"], held, strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)

@@ -41,7 +41,11 @@ FORMAT = 2  # 2: outer gradients of open rounds in the push store, optimizer sta
 def snapshot(
     state: SyncerState,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[int, tuple[int, list[np.ndarray]]]]:
-    """A consistent copy of the state; call under `state.lock`.
+    """A consistent view of the state; call under `state.lock`.
+
+    The arrays are the state's own, not copies: a merge installs new arrays (`FragmentState`
+    values, `FlatStep` state) and never writes into ones it has installed, so they stay as
+    they are while Orbax writes them (outside the lock).
 
     Returns:
       (tree of arrays for Orbax, JSON metadata, {fragment: (version, values)} to publish).
@@ -54,7 +58,8 @@ def snapshot(
             pending.append(x.describe())
             for j, (_, payload) in enumerate(x.parts):
                 if not payload.path:  # an in-process caller's arrays: saved as arrays
-                    in_memory[f"l{x.learner_id}p{j}"] = list(payload.arrays)
+                    # (copied: the snapshot is written as it is, and the caller owns them)
+                    in_memory[f"l{x.learner_id}p{j}"] = [np.array(a) for a in payload.arrays]
         tree[f"f{p}"] = {
             "values": list(f.values),
             "opt": list(f.opt_state),
@@ -192,7 +197,9 @@ class Committer:
         self.state, self.snapshot_s = state, snapshot_s
         self.directory = pathlib.Path(directory).absolute()
         self.wal_dir = self.directory / "wal"
-        self.checkpointer = IslandCheckpointer(self.directory / "snapshots", max_to_keep)
+        self.checkpointer = IslandCheckpointer(
+            self.directory / "snapshots", max_to_keep, immutable_host_arrays=True
+        )
         self.syncs = self.snapshots = self.replayed = 0
         self.sync_s = self.snapshot_time_s = 0.0
         self._last_snapshot = (-1, 0.0)  # (seq, monotonic time)
