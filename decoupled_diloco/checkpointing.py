@@ -13,6 +13,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -47,6 +48,7 @@ class IslandCheckpointer:
             registry = ocp.type_handlers.create_type_handler_registry(
                 (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
                 *((t, scalar) for t in (int, float, np.number)),
+                (jax.Array, ocp.type_handlers.ArrayHandler()),  # (none saved; Orbax asks)
             )
             handlers = {
                 "state": ocp.PyTreeCheckpointHandler(
