@@ -290,3 +290,16 @@ def test_a_snapshot_holds_arrays_that_later_merges_never_write(tmp_path):
     for got, want in zip(restored["f0"]["values"] + restored["f0"]["opt"], held, strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("size", [1, 5, (1 << 20) + 7, 2 * (1 << 20) + 1])
+def test_flat_step_init_made_in_chunks_is_optax_init(size):
+    import jax
+
+    for nesterov, delayed in ((True, 0), (False, 4)):
+        tx = outer.make_outer_optimizer(0.7, 0.9, nesterov, delayed)
+        want = jax.tree.leaves(tx.init({"flat": np.zeros(size, np.float32)}))
+        got = accumulate.FlatStep(tx, size).init()
+        assert [(x.shape, x.dtype) for x in got] == [(x.shape, x.dtype) for x in want]
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, np.asarray(b))

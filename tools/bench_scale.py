@@ -317,27 +317,33 @@ def learner_child(size: str, address: str, steps: int, step_s: float) -> None:
         lambda p: jax.tree.map(lambda x: x * jnp.float32(1.0 - 1e-7), p), donate_argnums=0
     )
     tokens = config.data.batch_size * config.model.seq_len
-    stall = 0.0
+    stall = {"apply": 0.0, "push": 0.0, "max": 0.0}
     t_run = time.perf_counter()
     with dd.DecoupledSync(config, learner_id=0, syncer=address, params=params, task=task) as sync:
+        t_join = time.perf_counter() - t_run
+        join_hwm, _ = proc_memory(os.getpid())
+        reset_peak(os.getpid())  # the loop's own peak from here (start-up's is join_hwm)
+        t_run = time.perf_counter()
         for _ in range(steps):
             t0 = time.perf_counter()
             params = sync.apply_arrivals(params)
-            stall += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            stall["apply"] += took
             t_step = time.perf_counter()
             params = jax.block_until_ready(touch(params))
             time.sleep(max(step_s - (time.perf_counter() - t_step), 0.0))
             t0 = time.perf_counter()
             sync.step_done(params, tokens=tokens, loss=jnp.float32(1.0))
-            stall += time.perf_counter() - t0
+            stall["push"] += time.perf_counter() - t0
+            stall["max"] = max(stall["max"], took, time.perf_counter() - t0)
         versions = list(sync.versions)
-    wall = time.perf_counter() - t_run
+        wall = time.perf_counter() - t_run  # the loop's (joining and the final flush apart)
     hwm, rss = proc_memory(os.getpid())
     print(
         "RESULT "
         + json.dumps(
             {"model": model, "hwm": hwm, "rss": rss, "stall": stall, "wall": wall,
-             "versions": versions}
+             "join_s": t_join, "join_hwm": join_hwm, "versions": versions}
         ),
         flush=True,
     )  # fmt: skip
@@ -350,9 +356,10 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
     from decoupled_diloco.local.procs import reap
 
     lines = [
-        "| size (params) | steps × step s | pushes | stall % of wall | learner peak RSS GB "
-        "| peak ÷ model |",
-        "|---|---|---|---|---|---|",
+        "| size (params) | steps × step s | merges applied | stall % of wall | of it: "
+        "applying merges / pushing s | longest stall s | join s | start-up peak GB | loop "
+        "peak RSS GB | loop peak ÷ model |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size in sizes:
         config = config_for(size, 1)
@@ -384,10 +391,12 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
             subprocess.run(["rm", "-rf", str(tmp)], check=False)
         line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
         r = json.loads(line[len("RESULT ") :])
-        pushes = sum(r["versions"])
+        pushes, st = sum(r["versions"]), r["stall"]
         lines.append(
-            f"| {size} ({r['model'] / 4e6:.0f}M) | {steps} × {step_s} | {pushes} merged | "
-            f"{100 * r['stall'] / r['wall']:.2f} | {r['hwm'] / 1e9:.2f} | "
+            f"| {size} ({r['model'] / 4e6:.0f}M) | {steps} × {step_s} | {pushes} | "
+            f"{100 * (st['apply'] + st['push']) / r['wall']:.2f} | "
+            f"{st['apply']:.2f} / {st['push']:.2f} | {st['max']:.3f} | {r['join_s']:.1f} | "
+            f"{r['join_hwm'] / 1e9:.2f} | {r['hwm'] / 1e9:.2f} | "
             f"{r['hwm'] / r['model']:.2f} |"
         )
         print(lines[-1], flush=True)

@@ -170,11 +170,20 @@ class FlatStep:
         ]
 
     def init(self) -> list[np.ndarray]:
-        """The optimizer's state for a vector of `size` values, as a list of numpy leaves."""
-        return [
-            np.array(x)
-            for x in jax.tree.leaves(self.tx.init({"flat": np.zeros(self.size, np.float32)}))
-        ]
+        """The optimizer's state for a vector of `size` values, as a list of numpy leaves.
+
+        `tx.init` of a zero vector, made a chunk at a time (every chunk's is the same): no
+        fragment-sized temporaries beside the state itself.
+        """
+        n, size = self.chunk, self.size
+        chunk = self.init_chunk()
+        state = [np.empty(size, x.dtype) if x.shape == (n,) else x for x in chunk]
+        for start in range(0, size, n):
+            stop = min(start + n, size)
+            for leaf, part in zip(state, chunk, strict=True):
+                if part.shape == (n,):
+                    leaf[start:stop] = part[: stop - start]
+        return state
 
     def treedef(self):  # noqa: ANN201 - a jax treedef
         """The structure of the optimizer's state (`init`'s leaves)."""

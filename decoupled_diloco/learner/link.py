@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from decoupled_diloco import runtime
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.core import outer
@@ -216,9 +217,25 @@ class DecoupledSync:
         params = jax.tree.unflatten(self.treedef, leaves)
         if self.encoder.enabled:  # compile every fragment's encoder now, not in the step loop
             self.encoder.warm_up(self.anchor, leaves)
+        self._warm_up(leaves)
+        runtime.trim_memory()  # what initialising the model and joining freed goes back now
         self._beat = threading.Thread(target=self._heartbeats, daemon=True)
         self._beat.start()
         return params
+
+    def _warm_up(self, leaves: list[jax.Array]) -> None:
+        """Compiles every fragment's merge-back (and overlap copy) now, not at its first merge.
+
+        Runs them once on the joined values (the results are dropped): the first merge of
+        each fragment would otherwise stall the step loop for a compile.
+        """
+        d = self.config.decoupled
+        residual = self.encoder.residual_leaves() if self.config.compression.keep_unsent else None
+        for frag in self.cut:
+            local = F.gather(leaves, frag)
+            at_push = _copy(local) if d.keep_overlap else [None] * len(frag)
+            unsent = [None] * len(frag) if residual is None else F.gather(residual, frag)
+            jax.block_until_ready(_merge_fragment(local, local, at_push, unsent, alpha=d.alpha))
 
     def __enter__(self) -> DecoupledSync:
         """Connects and joins with the `params` given.

@@ -13,7 +13,7 @@ import functools
 import os
 import pathlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -73,9 +73,19 @@ def _fragments(
             f"{task.identity()!r}'s (fingerprint {task.fingerprint(F.tensor_specs(initial))} "
             f"against {task.fingerprint(specs)})"
         )
-    tree = initial if initial is not None else task.init_params(config.seed)
-    leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+    leaves = jax.tree.leaves(initial if initial is not None else task.init_params(config.seed))
+    for i, x in enumerate(leaves):  # each device array goes once it is on the host
+        leaves[i] = np.asarray(jax.device_get(x))
     return cut, [F.gather(leaves, frag) for frag in cut]
+
+
+def _taken(values: list[list]) -> Iterator[list]:
+    """Each fragment's initial values in turn, dropped from `values` as it is taken.
+
+    A large model's host copy then goes fragment by fragment as the syncer copies it in.
+    """
+    while values:
+        yield values.pop(0)
 
 
 def pause_in_merge(spec: str) -> Callable[[], None]:
@@ -144,7 +154,7 @@ class SyncerServer:
         self.state = SyncerState(
             config,
             cut,
-            values,
+            _taken(list(values)),  # (a shallow copy: a cached model's values stay cached)
             owned=owned,
             is_mean_only=task.is_mean_only,
             is_averaged=task.is_averaged,

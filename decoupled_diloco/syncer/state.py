@@ -51,7 +51,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,7 +87,8 @@ class SyncerState:
     Args:
       config: the experiment (decoupled, outer and merge settings).
       fragments: the tensor specs of each fragment (`fragments.partition`).
-      initial: the initial value of every fragment's tensors (same order as the specs).
+      initial: the initial value of every fragment's tensors (same order as the specs), read
+        once, fragment by fragment (an iterator may release each as it is taken).
       clock: time source (seconds); tests may pass a fake one.
       owned: the fragments this syncer (shard) serves; default all. The others keep only
         their specs (no values, no optimizer state) and are refused by the server.
@@ -103,7 +104,7 @@ class SyncerState:
         self,
         config: ExperimentConfig,
         fragments: Sequence[Sequence[TensorSpec]],
-        initial: Sequence[Sequence[np.ndarray]],
+        initial: Iterable[Sequence[np.ndarray]],
         clock: Any = time.monotonic,
         owned: Sequence[int] | None = None,
         is_mean_only: Callable[[str], bool] | None = None,
