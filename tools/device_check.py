@@ -159,12 +159,18 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=0, help="0: the config's")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--run_steps", type=int, default=40, help="of the decoupled run")
+    parser.add_argument(
+        "--run_steps", type=int, default=40, help="of the decoupled run (0: no decoupled run)"
+    )
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     sizes = args.sizes.split(",")
     rows = [step_speed(s, args.batch_size, args.seq_len, args.steps) for s in sizes]
-    run = decoupled_run(sizes[0], args.batch_size, args.seq_len, args.run_steps)
+    run = (
+        decoupled_run(sizes[0], args.batch_size, args.seq_len, args.run_steps)
+        if args.run_steps
+        else None
+    )
     command = "python -m tools.device_check " + " ".join(sys.argv[1:])
     lines = [
         f"## Device check ({rows[0]['device']})",
@@ -181,13 +187,14 @@ def main() -> None:
             f"{r['framework_tokens_s']:.0f} | {r['bare_tokens_s']:.0f} | {r['ratio']:.3f} | "
             f"{r['mfu']:.1%} |"
         )
-    lines += [
-        "",
-        f"Decoupled run, 2 learners of {sizes[0]}, {args.run_steps} steps (syncer on the host "
-        "CPU): " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                             for k, v in run.items()),
-        "",
-    ]  # fmt: skip
+    if run is not None:
+        lines += [
+            "",
+            f"Decoupled run, 2 learners of {sizes[0]}, {args.run_steps} steps (syncer on the "
+            "host CPU): " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                      for k, v in run.items()),
+        ]  # fmt: skip
+    lines.append("")
     section = "\n".join(lines)
     print(section)
     if args.out:
