@@ -42,6 +42,7 @@ def main(argv: list[str]) -> None:
     if not values["verbosity"].present:  # Orbax logs every commit at INFO
         logging.set_verbosity(logging.WARNING)
     runtime.use_compile_cache()
+    runtime.limit_malloc_arenas()  # before the gRPC threads: see its doc
     config = config_lib.from_config_dict(values.config)
     hook = values.debug_pause_in_merge
     server = SyncerServer(
