@@ -228,7 +228,7 @@ def test_an_open_round_holds_one_buffer_and_the_pushes_stay_in_files(tmp_path):
             assert client.pull(0, 0, 1, wait_s=30)[0] == 1
             if durable:  # released once a snapshot after the merge is the oldest kept one
                 keep = config.checkpoint.max_to_keep
-                for rnd in range(1, keep + 2):  # more merges, more snapshots (snapshot_s 0)
+                for rnd in range(1, keep + 2):  # more merges, more snapshots
                     for i in range(4):
                         client.push(
                             learner_id=i,
@@ -241,6 +241,9 @@ def test_an_open_round_holds_one_buffer_and_the_pushes_stay_in_files(tmp_path):
                             arrays=_deltas(server.state.fragments[1].specs, i),
                         )
                     assert client.pull(0, 1, rnd, wait_s=30)[0] == rnd
+                    seq = server.state.seq  # one snapshot after each merge
+                    saved = server.committer.checkpointer.all_steps
+                    wait_until(lambda s=seq, f=saved: f()[-1] >= s, 60, "a snapshot of the merge")
             # Merged: its files are gone (durable: once no kept snapshot predates the merge).
             gone = lambda files=first_round: not any(p.exists() for p in files)  # noqa: E731
             wait_until(gone, 60, "files purged")
