@@ -133,7 +133,7 @@ class SyncerState:
                     )
             size = sum(math.prod(x.shape) for x in specs) if p in self.owned else 0
             step = accumulate.FlatStep(self.tx, max(size, 1))
-            flat = np.zeros(size, np.float32)
+            flat = accumulate.aligned_zeros(size)
             if size:
                 np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in values], out=flat)
             self._steps.append(step)
