@@ -210,8 +210,9 @@ class SyncerConfig:
       shards: S syncer processes; shard s owns the fragments p with p % S == s, keeps its own
         checkpoints, and fails alone (learners keep syncing the other shards' fragments).
       snapshot_s: a checkpointing syncer writes an Orbax snapshot of its state at most this
-        often; in between, every change goes to its write-ahead log first (merged versions and
-        acknowledgements wait for the log's disk sync, see `syncer.durability`).
+        often (and at least 4x as long apart as the last one took to write); in between, every
+        change goes to its write-ahead log first (merged versions and acknowledgements wait
+        for the log's disk sync, not for snapshots; see `syncer.durability`).
       max_unsent: undelivered pushes a learner keeps per fragment while its syncer is down
         (beyond that the oldest is dropped and counted; see `learner.outbox`).
       max_delta_norm: a push whose outer-gradient norm exceeds this times its fragment's norm
