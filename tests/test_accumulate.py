@@ -306,3 +306,24 @@ def test_flat_step_init_made_in_chunks_is_optax_init(size):
         assert [(x.shape, x.dtype) for x in got] == [(x.shape, x.dtype) for x in want]
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_aligned_host_vectors_are_read_in_place_and_never_written_by_a_donated_step():
+    """What `core.host` relies on: XLA's CPU client aliases an aligned numpy vector, and a
+    step that donates the aliasing array leaves the numpy memory as it was (learners place
+    pulled values, their anchors, this way and then donate them to the inner step)."""
+    import jax
+
+    from decoupled_diloco.core import host
+
+    for dtype in (np.float32, np.uint8):
+        x = host.aligned_zeros(1000, dtype)
+        assert x.ctypes.data % host.ALIGN_BYTES == 0 and x.shape == (1000,) and not x.any()
+    x = host.aligned_copy(np.arange(1 << 16, dtype=np.float32).reshape(256, 256))
+    assert x.ctypes.data % host.ALIGN_BYTES == 0 and x[-1] == (1 << 16) - 1
+    placed = jax.device_put(x)
+    if jax.default_backend() == "cpu":
+        assert placed.unsafe_buffer_pointer() == x.ctypes.data  # read in place
+    doubled = jax.jit(lambda v: v * 2.0, donate_argnums=0)(placed)
+    np.testing.assert_array_equal(x, np.arange(1 << 16, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(doubled), 2.0 * x)

@@ -16,6 +16,7 @@ from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.retry import Backoff, retry
 from decoupled_diloco.config import SyncerConfig
+from decoupled_diloco.core import host
 from decoupled_diloco.core.fragments import TensorSpec
 
 T = TypeVar("T")
@@ -230,8 +231,9 @@ class SyncerClient:
                     f"fragment {fragment}: reply of {first.total_bytes} bytes, its tensors "
                     f"need {expected}"
                 )
-            # Each chunk is copied into place as it arrives (gRPC receives the next meanwhile).
-            payload, at = memoryview(bytearray(expected)), len(first.data)
+            # Each chunk is copied into place as it arrives (gRPC receives the next meanwhile),
+            # in an aligned buffer: on a CPU the arrays placed from it are not copied again.
+            payload, at = memoryview(host.aligned_zeros(expected, np.uint8)), len(first.data)
             if at > expected:
                 raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
             payload[:at] = first.data

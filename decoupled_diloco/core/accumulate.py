@@ -28,31 +28,12 @@ import jax
 import numpy as np
 import optax
 
+from decoupled_diloco.core.host import aligned_zeros
+
 # Elements per numpy operation: temporaries stay ~1 MB whatever the tensor size.
 CHUNK = 1 << 18
 # Below this norm an outer gradient has no direction (as `outer._TINY_NORM`).
 TINY_NORM = 1e-30
-
-
-# Host vectors start on this boundary: XLA's CPU client then reads numpy arrays where they are
-# (`jax.device_put` without a copy; a misaligned one is copied first, measured ~2x slower
-# outer steps at 114 MB).
-ALIGN_BYTES = 64
-
-
-def aligned_zeros(n: int, dtype: np.dtype | type = np.float32) -> np.ndarray:
-    """A zero vector of n values whose data starts on an `ALIGN_BYTES` boundary."""
-    itemsize = np.dtype(dtype).itemsize
-    raw = np.zeros(n + ALIGN_BYTES // itemsize, dtype)
-    start = (-raw.ctypes.data % ALIGN_BYTES) // itemsize
-    return raw[start : start + n]
-
-
-def aligned_copy(x: np.ndarray) -> np.ndarray:
-    """`x` flattened into a new aligned vector (see `aligned_zeros`), in x's dtype."""
-    out = aligned_zeros(x.size, x.dtype)
-    out[:] = x.reshape(-1)
-    return out
 
 
 def _chunks(n: int) -> Iterable[slice]:

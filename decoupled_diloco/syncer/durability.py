@@ -32,7 +32,7 @@ from absl import logging
 
 from decoupled_diloco import runtime
 from decoupled_diloco.checkpointing import IslandCheckpointer
-from decoupled_diloco.core import accumulate
+from decoupled_diloco.core import host
 from decoupled_diloco.syncer import wal
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import LearnerInfo, Pending, PushResult
@@ -132,11 +132,11 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
         for p in sorted(state.owned):
             f, saved, info = state.fragments[p], tree[f"f{p}"], meta["fragments"][str(p)]
             values = _arrays(saved["values"], f.specs, f"fragment {p}")
-            flat = accumulate.aligned_zeros(sum(v.size for v in values))
+            flat = host.aligned_zeros(sum(v.size for v in values))
             np.concatenate([v.reshape(-1) for v in values], out=flat)
             f.set_flat(flat)
             f.opt_state = [
-                accumulate.aligned_copy(x) if np.ndim(x) else np.asarray(x) for x in saved["opt"]
+                host.aligned_copy(x) if np.ndim(x) else np.asarray(x) for x in saved["opt"]
             ]
             template = state._steps[p].shapes()
             if [x.shape for x in f.opt_state] != template:

@@ -58,7 +58,7 @@ import numpy as np
 from absl import logging
 
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
-from decoupled_diloco.core import accumulate, outer
+from decoupled_diloco.core import accumulate, host, outer
 from decoupled_diloco.core.fragments import TensorSpec
 from decoupled_diloco.syncer import admission, view
 from decoupled_diloco.syncer.payloads import Payload
@@ -133,7 +133,7 @@ class SyncerState:
                     )
             size = sum(math.prod(x.shape) for x in specs) if p in self.owned else 0
             step = accumulate.FlatStep(self.tx, max(size, 1))
-            flat = accumulate.aligned_zeros(size)
+            flat = host.aligned_zeros(size)
             if size:
                 np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in values], out=flat)
             self._steps.append(step)
