@@ -242,8 +242,8 @@ def test_an_open_round_holds_one_buffer_and_the_pushes_stay_in_files(tmp_path):
                         )
                     assert client.pull(0, 1, rnd, wait_s=30)[0] == rnd
                     seq = server.state.seq  # one snapshot after each merge
-                    saved = server.committer.checkpointer.all_steps
-                    wait_until(lambda s=seq, f=saved: f()[-1] >= s, 60, "a snapshot of the merge")
+                    done = lambda s=seq, c=server.committer: c.snapshot_seq >= s  # noqa: E731
+                    wait_until(done, 60, "a snapshot after the merge")
             # Merged: its files are gone (durable: once no kept snapshot predates the merge).
             gone = lambda files=first_round: not any(p.exists() for p in files)  # noqa: E731
             wait_until(gone, 60, "files purged")

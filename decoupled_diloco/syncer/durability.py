@@ -280,6 +280,11 @@ class Committer:
             return None
         return self.state.seq
 
+    @property
+    def snapshot_seq(self) -> int:
+        """The change count the newest finished snapshot holds (-1: none yet)."""
+        return self._last_snapshot[0]
+
     def start(self) -> Committer:
         """Writes the starting snapshot (unless one holds this state), then starts the thread."""
         if self.state.seq not in self.checkpointer.all_steps():
