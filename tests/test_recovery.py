@@ -124,11 +124,12 @@ def test_corrupt_syncer_snapshot_falls_back_with_a_warning_and_the_log_loses_not
         client.register(0, server.fingerprint)
         assert _push(client, server, 0, 0, 0, seed=1).accepted
         assert client.pull(0, 0, 1, wait_s=30)[0] == 1
-        wait_until(lambda: snapshots.all_steps()[-1] == server.state.seq, 30, "a snapshot")
-        previous = snapshots.all_steps()[-1]
+        committer = server.committer  # (its own thread uses the Orbax manager meanwhile)
+        wait_until(lambda: committer.snapshot_seq == server.state.seq, 30, "a snapshot")
+        previous = committer.snapshot_seq
         assert _push(client, server, 1, 0, 0, seed=2).accepted
         assert client.pull(0, 1, 1, wait_s=30)[0] == 1
-        wait_until(lambda: snapshots.all_steps()[-1] > previous, 30, "a newer snapshot")
+        wait_until(lambda: committer.snapshot_seq > previous, 30, "a newer snapshot")
     finally:
         client.close()
         server.stop(0)
