@@ -23,6 +23,7 @@ import argparse
 import datetime
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -209,6 +210,7 @@ def run_cell(size: str, learners: int, rounds: int) -> dict:
                     "merge_s": sum(m.get("merge_s", float("nan")) for m in merges),
                     "merged": [len(m["learners"]) for m in merges],
                     "written_mb": (proc_written(syncer.pid) - written0) / 1e6,
+                    "disk_gb": _disk_bytes(tmp) / 1e9,
                     "hwm": hwm,
                     "rss": rss,
                 }
@@ -230,13 +232,25 @@ def run_cell(size: str, learners: int, rounds: int) -> dict:
     }
 
 
+def _disk_bytes(directory: pathlib.Path) -> int:
+    """Bytes of the files under `directory` (the syncer's checkpoint directory and push store)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
 def table(cells: list[dict], memcpy: float) -> list[str]:
     """The markdown rows of every cell."""
     lines = [
         "| size (params) | M | round | push s | merge s (all fragments) | merge GB/s (M × bytes) "
-        "| ÷ memcpy | written MB | started GB (peak) | round peak GB | peak ÷ model "
-        "| RSS GB | RSS ÷ model |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ÷ memcpy | written MB | on disk GB | started GB (peak) | round peak GB "
+        "| peak ÷ model | RSS GB | RSS ÷ model |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
         model = cell["bytes"]
@@ -245,7 +259,8 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
             lines.append(
                 f"| {cell['size']} ({cell['params'] / 1e6:.1f}M) | {cell['learners']} | "
                 f"{row['round']} | {row['push_s']:.1f} | {row['merge_s']:.2f} | {rate:.2f} | "
-                f"{rate / memcpy:.2f} | {row['written_mb']:.0f} | {cell['start_rss'] / 1e9:.2f} "
+                f"{rate / memcpy:.2f} | {row['written_mb']:.0f} | {row['disk_gb']:.1f} | "
+                f"{cell['start_rss'] / 1e9:.2f} "
                 f"({cell['start_hwm'] / 1e9:.2f}) | {row['hwm'] / 1e9:.2f} | "
                 f"{row['hwm'] / model:.1f} | {row['rss'] / 1e9:.2f} | {row['rss'] / model:.1f} |"
             )
@@ -461,6 +476,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--step_s", type=float, default=0.5)
     args = parser.parse_args()
+    # A stopped benchmark still removes its syncer and its temporary directories (`finally`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.section == "all":  # each in its own process (`memory` fakes 8 devices first)
         if args.out:
             pathlib.Path(args.out).write_text("")
