@@ -113,6 +113,71 @@ def test_restarted_syncer_resumes_its_commits_and_counts_a_retried_push_once(tmp
         again.stop(0)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MB tmpfs at tmp_path/"pushes" (where the syncer keeps its push store)."""
+    store = tmp_path / "pushes"
+    store.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(store)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()[:200]}")
+    try:
+        yield store
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)
+
+
+def test_a_full_disk_refuses_a_push_retryably_and_loses_nothing(tmp_path, small_disk):
+    """The push store on a real tmpfs, filled up: the push is refused with RESOURCE_EXHAUSTED
+    (retryable, naming the store), nothing is pending and no file is left; once space frees,
+    the same push is accepted and merged."""
+    store = small_disk
+    config = _config(**{"decoupled.quorum": 1, "decoupled.syncer.retries": 0})
+    server = client = None
+    try:
+        server = _server(config, tmp_path)
+        client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, TOKEN)
+        client.register(0, server.fingerprint)
+        size = sum(s.nbytes for s in server.state.fragments[0].specs)
+        free = os.statvfs(store).f_bavail * os.statvfs(store).f_frsize
+        assert size > 16 << 10 and free > size  # (a push of this model fits when empty)
+        filler = store / "filler"
+        filler.write_bytes(b"\0" * (free - size // 2))
+        with pytest.raises(grpc.RpcError) as refused:
+            _push(client, server, 0, 0, 0, seed=1)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "cannot store this push" in refused.value.details()
+        assert str(store) in refused.value.details()
+        assert server.state.fragments[0].pending == {} and server.state.versions() == [0, 0]
+        assert sorted(p.name for p in store.iterdir()) == ["filler"]
+        filler.unlink()
+        assert _push(client, server, 0, 0, 0, seed=1).accepted
+        assert client.pull(0, 0, 1, wait_s=30)[0] == 1
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.stop(0)
+
+
+def test_a_log_record_cut_by_a_full_disk_leaves_the_log_readable(small_disk):
+    from decoupled_diloco.syncer import wal
+
+    log = wal.WriteAheadLog(small_disk / "0.log")
+    big = np.ones(256 << 10, np.float32)  # 1 MB a record: the 4 MB disk fills within five
+    written = 0
+    with pytest.raises(OSError):
+        for seq in range(1, 10):
+            log.append({"seq": seq}, [big])
+            written = seq
+    log.append({"seq": written + 1}, [])  # a small one still fits, after the cut-off one
+    log.close()
+    seqs = [header["seq"] for header, _ in wal.read(small_disk / "0.log")]
+    assert 2 <= written < 9 and seqs == [*range(1, written + 1), written + 1]
+
+
 def test_corrupt_syncer_snapshot_falls_back_with_a_warning_and_the_log_loses_nothing(
     tmp_path, caplog
 ):

@@ -25,6 +25,7 @@ from absl import logging
 from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
+from decoupled_diloco.comm.retry import RETRY_TRAILER
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import compression
 from decoupled_diloco.core.compression import Codec
@@ -302,9 +303,15 @@ class SyncerService(pb_grpc.SyncerServicer):
         activity.hold()  # waiting for room is the syncer's doing, not idleness
         activity.reserve(expected)
         activity.touch()
-        file = self.state.store.create()
+        try:
+            file = self.state.store.create()
+        except OSError as error:
+            self._cannot_store(context, error)
         try:
             push = self._receive(h, first, request_iterator, context, activity, file, expected)
+        except OSError as error:  # the push store's disk (full, failing): nothing was accepted
+            file.abort()
+            self._cannot_store(context, error)
         except BaseException:
             file.abort()
             raise
@@ -381,6 +388,17 @@ class SyncerService(pb_grpc.SyncerServicer):
             delta,
             incarnation=h.incarnation,
         )
+
+    def _cannot_store(self, context: grpc.ServicerContext, error: OSError) -> None:
+        """Refuses a push whose bytes could not be written (retryable: space may free)."""
+        message = (
+            f"the syncer cannot store this push ({type(error).__name__}: {error}); its push "
+            f"store is {self.state.store.directory}: free disk space there, or give the syncer "
+            "another --checkpoint_dir"
+        )
+        logging.log_every_n_seconds(logging.ERROR, "[syncer] %s", 30.0, message)
+        context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     def _data_chunk(
         self, raw: bytes, seq: int, context: grpc.ServicerContext

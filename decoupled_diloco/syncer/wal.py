@@ -61,8 +61,13 @@ class WriteAheadLog:
         payload = b"".join(a.tobytes() for a in arrays)
         crc = zlib.crc32(payload, zlib.crc32(meta))
         data = memoryview(_HEAD.pack(_MAGIC, len(meta), len(payload), crc) + meta + payload)
-        while data:
-            data = data[os.write(self._fd, data) :]
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError:  # (a full disk): no torn record may hide the ones appended after it
+            os.ftruncate(self._fd, start)
+            raise
         self.records += 1
 
     def sync(self) -> None:
