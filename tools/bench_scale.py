@@ -14,7 +14,9 @@ compression) and pull every merged fragment, for `--rounds` rounds. Measured fro
 syncer's peak and current RSS (`/proc/PID/status` VmHWM, VmRSS) after each round, the bytes it
 wrote to disk (`/proc/PID/io` write_bytes), the merge time it reports per fragment
 (`merge_log[].merge_s`), and this machine's memcpy bandwidth in the same run (numpy copy of
-256 MB, best of 5). The model shapes are those of `experiments/configs/lm_*.py`.
+256 MB, best of 5), and the bytes under its checkpoint directory. The model shapes are those
+of `experiments/configs/lm_*.py`. A cell whose push store and snapshots would not fit on this
+disk is skipped with a row that says so (`disk_shortfall`), not run until the disk fills.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import datetime
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -232,6 +235,28 @@ def run_cell(size: str, learners: int, rounds: int) -> dict:
     }
 
 
+def disk_shortfall(size: str, learners: int, rounds: int) -> str:
+    """Why a cell cannot run on this disk ("" if it can).
+
+    A durable syncer keeps each push's file until the oldest kept snapshot is newer than its
+    merge, and `max_to_keep` snapshots of Θ and the momentum: at most about the pushes of every
+    round plus 3 × 2 models (measured at 1B, M=4: 57.6 GB after 2 rounds, 14× the model).
+    """
+    from decoupled_diloco import tasks
+    from decoupled_diloco.core import fragments as F
+
+    task = tasks.make_task(config_for(size, learners))
+    model = sum(s.nbytes for s in F.tensor_specs(task.abstract_params()))
+    need = model * (learners * (rounds + 1) + 8)
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if need <= free:
+        return ""
+    return (
+        f"skipped: needs ~{need / 1e9:.0f} GB of disk for its push store and snapshots, "
+        f"{free / 1e9:.0f} GB free"
+    )
+
+
 def _disk_bytes(directory: pathlib.Path) -> int:
     """Bytes of the files under `directory` (the syncer's checkpoint directory and push store)."""
     total = 0
@@ -253,6 +278,9 @@ def table(cells: list[dict], memcpy: float) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
+        if cell.get("skipped"):
+            lines.append(f"| {cell['size']} | {cell['learners']} | — | {cell['skipped']} |")
+            continue
         model = cell["bytes"]
         for row in cell["rows"]:
             rate = cell["learners"] * model / row["merge_s"] / 1e9 if row["merge_s"] else 0.0
@@ -465,7 +493,7 @@ def _write(out: str, title: str, text: str, lines: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="")
-    parser.add_argument("--sizes", default="25m,125m")
+    parser.add_argument("--sizes", default="25m,125m,350m,1b")
     parser.add_argument("--learners", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--label", default="", help="A heading for this run (e.g. before).")
@@ -542,7 +570,9 @@ def main() -> None:
     cells = []
     for size in args.sizes.split(","):
         for m in (int(x) for x in args.learners.split(",")):
-            cells.append(run_cell(size, m, args.rounds))
+            skip = disk_shortfall(size, m, args.rounds)
+            cells.append({"size": size, "learners": m, "skipped": skip} if skip else None)
+            cells[-1] = cells[-1] or run_cell(size, m, args.rounds)
     command = (
         f"python -m tools.bench_scale --sizes={args.sizes} --learners={args.learners} "
         f"--rounds={args.rounds}" + (f" --out={args.out}" if args.out else "")
