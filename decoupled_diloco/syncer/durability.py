@@ -304,11 +304,15 @@ class Committer:
                 return  # nothing new since the last one
             tree, meta, _ = snapshot(self.state)
             seq = self.state.seq
-            old = self.state.wal
+            old, new = self.state.wal, wal.WriteAheadLog(self.wal_dir / f"{seq}.log")
             if old is not None:  # its changes are durable before any goes to the next log
-                old.sync()
+                try:
+                    old.sync()
+                except BaseException:
+                    new.close()  # (an empty log: a restore reads nothing from it)
+                    raise
                 self._retired.append(old)
-            self.state.wal = wal.WriteAheadLog(self.wal_dir / f"{seq}.log")
+            self.state.wal = new
         self.checkpointer.save(seq, tree, meta)
         self.checkpointer.wait()
         self._last_snapshot = (seq, time.monotonic())
