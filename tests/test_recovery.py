@@ -6,6 +6,7 @@ manager), kill them with SIGKILL, start the same command again, wait on step cou
 versions with generous deadlines, and reap every process even when they fail.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -113,20 +114,91 @@ def test_restarted_syncer_resumes_its_commits_and_counts_a_retried_push_once(tmp
         again.stop(0)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 4 MB tmpfs at tmp_path/"pushes" (where the syncer keeps its push store)."""
-    store = tmp_path / "pushes"
-    store.mkdir()
+@contextlib.contextmanager
+def _tmpfs(path):
+    """A real 4 MB tmpfs mounted at `path` (skips the test where mounting is not allowed)."""
+    path.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(store)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)], capture_output=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()[:200]}")
     try:
-        yield store
+        yield path
     finally:
-        subprocess.run(["umount", "-l", str(store)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A small disk at tmp_path/"pushes", where the syncer keeps its push store."""
+    with _tmpfs(tmp_path / "pushes") as store:
+        yield store
+
+
+def test_a_write_ahead_log_on_a_full_disk_stops_the_syncer_and_acknowledges_nothing(tmp_path):
+    """The log on a real, filled tmpfs: the push whose record cannot be written is refused
+    (UNAVAILABLE), nothing after it is published, the server stops serving; restarted once
+    space frees, it resumes from the log with every acknowledged version."""
+    config = _config(**{"decoupled.quorum": 1, "decoupled.syncer.retries": 0})
+
+    def push(client, server, rnd):
+        specs = server.state.fragments[1].specs
+        rng = np.random.default_rng(rnd)
+        arrays = [(1e-3 * rng.standard_normal(s.shape)).astype(s.dtype) for s in specs]
+        return client.push(
+            learner_id=0,
+            fragment=1,
+            round=rnd,
+            base_version=server.state.versions()[1],
+            steps=4,
+            tokens=1024,
+            specs=specs,
+            arrays=arrays,
+        )
+
+    with _tmpfs(tmp_path / "wal") as log_dir:
+        server = _server(config, tmp_path)
+        client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, TOKEN)
+        acknowledged = 0
+        try:
+            client.register(0, server.fingerprint)
+            free = os.statvfs(log_dir).f_bavail * os.statvfs(log_dir).f_frsize
+            (log_dir / "filler").write_bytes(b"\0" * free)
+            with pytest.raises(grpc.RpcError) as refused:  # (the log's last page fills first)
+                for rnd in range(200):
+                    assert push(client, server, rnd).accepted
+                    acknowledged = client.pull(0, 1, rnd + 1, wait_s=30)[0]
+                    assert acknowledged == rnd + 1
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert "write-ahead log failed" in refused.value.details()
+            assert server.state.wal_failed and server.state.versions()[1] == acknowledged
+
+            def stopped():
+                try:
+                    client.status()
+                except grpc.RpcError:
+                    return True
+                return False
+
+            wait_until(stopped, 30, "the server to stop serving")
+        finally:
+            client.close()
+            server.stop(0)
+        (log_dir / "filler").unlink()
+        again = _server(config, tmp_path)
+        try:
+            client = SyncerClient(f"127.0.0.1:{again.port}", config.decoupled.syncer, TOKEN)
+            # Every acknowledged version is back; the refused push was never acknowledged (it
+            # may be merged now if its own record made it to the log before the cut).
+            settled = wait_until(lambda: again.state.fragments[1].round is None, 30, "rounds")
+            assert settled and again.state.versions()[1] in (acknowledged, acknowledged + 1)
+            rnd = again.state.versions()[1]
+            assert push(client, again, rnd + 1).accepted
+            assert client.pull(0, 1, rnd + 1, wait_s=30)[0] == rnd + 1
+            client.close()
+        finally:
+            again.stop(0)
 
 
 def test_a_full_disk_refuses_a_push_retryably_and_loses_nothing(tmp_path, small_disk):

@@ -73,7 +73,16 @@ def main(argv: list[str]) -> None:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    while not done.wait(1.0):
+        if server.state.wal_failed:  # a restart resumes from the log as it stands
+            print(
+                f"[syncer] stopping: its write-ahead log failed ({server.state.wal_failed}); "
+                "free the disk and start it again",
+                file=sys.stderr,
+                flush=True,
+            )
+            server.stop(grace_s=0.0)
+            sys.exit(1)
     # Every wait in the handlers is bounded and ends with its call, so stopping takes about
     # the grace period; should anything hang regardless, the process still ends within 5 s.
     watchdog = threading.Timer(STOP_DEADLINE_S, lambda: os._exit(0))

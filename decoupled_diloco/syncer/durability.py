@@ -331,9 +331,12 @@ class Committer:
         state = self.state
         while not self._stop.is_set():
             with state.lock:
-                for log in self._retired:  # synced when replaced; no sync of ours still uses it
-                    log.close()
-                self._retired.clear()
+                retired, self._retired = self._retired, []
+                for log in retired:  # synced when replaced; no sync of ours still uses it
+                    try:
+                        log.close()
+                    except OSError as error:  # (its records were synced before it retired)
+                        logging.error("syncer: closing an old log failed: %s", error)
                 if state.seq <= state.committed_seq:
                     state.lock.wait(0.05)
                     continue
@@ -357,11 +360,15 @@ class Committer:
             every = max(self.snapshot_s, SNAPSHOT_DUTY * self._last_snapshot_s)
             if time.monotonic() - self._last_snapshot[1] < every:
                 continue
+            t0 = time.monotonic()
             try:
                 self._snapshot()  # (nothing if the state has not changed since the last one)
             except Exception as error:  # noqa: BLE001 - the log still holds every change
                 logging.error("syncer snapshot failed: %s: %s", type(error).__name__, error)
-                self._stop.wait(1.0)
+                # The next try is as far off as after a success (a full disk, say, does not
+                # get a multi-GB write every second).
+                self._last_snapshot = (self._last_snapshot[0], time.monotonic())
+                self._last_snapshot_s = max(self._last_snapshot_s, time.monotonic() - t0)
 
     def stats(self) -> dict[str, Any]:
         """Counts and mean times of log syncs and snapshots."""
@@ -379,9 +386,9 @@ class Committer:
         for thread in (self._thread, self._snapshotter):
             if thread.is_alive():
                 thread.join()
-        for log in self._retired:
+        retired, self._retired = self._retired, []
+        for log in retired:
             log.close()
-        self._retired.clear()
         if self.state.wal is not None:
             self.state.wal.close()
             self.state.wal = None

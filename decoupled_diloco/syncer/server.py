@@ -48,7 +48,8 @@ def initial_fragments(
         task = tasks.make_task(config)
         size = sum(s.nbytes for s in F.tensor_specs(task.abstract_params()))
         if size <= _CACHED_BYTES:  # tests start many syncers of one small model
-            return _builtin_fragments(config)
+            cut, values = _builtin_fragments(config)
+            return cut, list(values)  # (the caller may empty its list; the cache keeps its own)
     return _fragments(config, task or tasks.make_task(config), initial)
 
 
@@ -154,7 +155,7 @@ class SyncerServer:
         self.state = SyncerState(
             config,
             cut,
-            _taken(list(values)),  # (a shallow copy: a cached model's values stay cached)
+            _taken(values),  # emptied fragment by fragment: each host copy goes once copied in
             owned=owned,
             is_mean_only=task.is_mean_only,
             is_averaged=task.is_averaged,
@@ -175,7 +176,7 @@ class SyncerServer:
             )
             self.restored_step = self.committer.restore()
         self.state.warm_up()
-        del values  # version 0 is in the state now; what initialising it left goes back
+        del values  # (empty now) version 0 is in the state; what initialising it left goes back
         runtime.trim_memory()
         self.fingerprint = task.fingerprint(
             sorted((x for f in cut for x in f), key=lambda x: x.index)
@@ -218,6 +219,9 @@ class SyncerServer:
             deadline = self.state.next_deadline()
             wait = 0.05 if deadline is None else max(min(deadline - self.state.clock(), 0.05), 0)
             self._stop.wait(wait)
+            if self.state.wal_failed:  # nothing more can be made durable: stop serving
+                self.server.stop(0)
+                return
             try:
                 self.state.tick()
             except Exception:  # noqa: BLE001 - keep closing rounds; the error is logged

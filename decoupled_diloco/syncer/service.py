@@ -321,6 +321,11 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.state.store.drop(push.delta.path)
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
         except BaseException:
+            if self.state.wal_failed:  # (its file stays: the log may refer to it)
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the syncer's write-ahead log failed ({self.state.wal_failed}); it stops",
+                )
             self.state.store.drop(push.delta.path)
             raise
         if result.duplicate or not result.accepted:

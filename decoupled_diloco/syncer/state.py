@@ -143,6 +143,10 @@ class SyncerState:
         self.durable = False
         self.seq = self.committed_seq = 0
         self.wal: Any = None  # `syncer.wal.WriteAheadLog`, records every change
+        # Set when a change could not be logged (a full or failing disk): that change and all
+        # after it are in memory only, so none is ever published or acknowledged; the server
+        # stops serving and its process exits, and a restart resumes from the log as it is.
+        self.wal_failed, self.wal_failed_seq = "", 0
         self.learners: dict[int, LearnerInfo] = {}
         self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
         self.merge_log: list[dict[str, Any]] = []
@@ -228,6 +232,8 @@ class SyncerState:
         forward.
         """
         with self.lock:
+            if self.wal_failed and seq >= self.wal_failed_seq:
+                return  # it holds a change the log does not
             for p, (version, values) in versions.items():
                 frag = self.fragments[p]
                 if version > frag.published:
@@ -242,7 +248,7 @@ class SyncerState:
         with self.lock:
             while self.durable and self.committed_seq < seq:
                 left = deadline - self.clock()
-                if left <= 0:
+                if left <= 0 or (self.wal_failed and seq >= self.wal_failed_seq):
                     return False
                 self.lock.wait(min(left, 0.05))
             return True
@@ -566,7 +572,19 @@ class SyncerState:
         """Counts a change a restart must not lose, and logs it to the write-ahead log if any."""
         self.seq += 1
         if self.wal is not None:
-            self.wal.record(self, kind, *args)
+            try:
+                self.wal.record(self, kind, *args)
+            except OSError as error:
+                if not self.wal_failed:
+                    self.wal_failed = f"{type(error).__name__}: {error}"
+                    self.wal_failed_seq = self.seq
+                    logging.error(
+                        "[syncer] the write-ahead log failed (%s) at change %d: nothing from it "
+                        "on is acknowledged; the syncer stops and resumes from the log on restart",
+                        self.wal_failed,
+                        self.seq,
+                    )
+                raise
 
     # Pulls and status ------------------------------------------------------------------------
 
