@@ -4,7 +4,8 @@ The run token comes from `DD_RUN_TOKEN` (or `--token_file`), never from the comm
 Prints learners (state, step, loss, heartbeat age, staleness, fragment versions), fragments
 (version, merges, late and duplicate pushes) and the grace-window averages; `--json` prints
 the raw status instead. `--watch` refreshes a live table (see `decoupled_diloco.obs.watch`) until
-Ctrl+C, adding merges per minute and goodput when the syncer reports it.
+Ctrl+C, adding merges per minute and goodput when the syncer reports it. `--serve=PORT` serves the
+live job page (`decoupled_diloco.obs.monitor`) on 127.0.0.1:PORT instead, behind the run token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ _JSON = flags.DEFINE_bool("json", False, "Print the raw status JSON.")
 _WATCH = flags.DEFINE_bool("watch", False, "Refresh a live table until Ctrl+C.")
 _INTERVAL = flags.DEFINE_float("interval", 2.0, "Seconds between refreshes with --watch.")
 _COUNT = flags.DEFINE_integer("count", 0, "With --watch: stop after N refreshes (0: never).")
+_SERVE = flags.DEFINE_integer(
+    "serve", -1, "Serve the live job page on this port until Ctrl+C (0: any free; -1: off)."
+)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "With --serve: the interface to bind.")
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -66,6 +71,31 @@ def _shard_number(path: pathlib.Path) -> int:
     return int(path.stem.split("_")[1])
 
 
+def _serve(address: str, config: SyncerConfig, token: str) -> None:
+    """`--serve`: the job page (`obs.monitor`) until SIGINT or SIGTERM."""
+    import signal
+    import threading
+
+    from decoupled_diloco.obs.monitor import Monitor
+
+    try:
+        client = syncer_client(address, config, token)
+        monitor = Monitor(
+            client, token, _HOST.value, _SERVE.value, _WORKDIR.value or None, _INTERVAL.value,
+            f"decoupled run: syncer {address}",
+        ).start()  # fmt: skip
+    except (ValueError, RuntimeError) as error:  # no token; the port is taken
+        sys.exit(str(error))
+    print(f"job page at {monitor.login_url()} (Ctrl+C to stop)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):  # (signal handlers run between the waits)
+        pass
+    monitor.stop()
+    client.close()
+
+
 def main(argv: list[str]) -> None:
     """Fetches and prints the status."""
     del argv
@@ -81,6 +111,9 @@ def main(argv: list[str]) -> None:
     token = pathlib.Path(token_file).read_text().strip() if token_file else ""
     shards = len(parse_addresses(address))  # HOST:PORT,HOST:PORT...: a sharded syncer
     config = SyncerConfig(tls_cert=_TLS_CERT.value, retries=1, rpc_timeout_s=10.0, shards=shards)
+    if _SERVE.value >= 0:
+        _serve(address, config, token)
+        return
     if _WATCH.value:
         from decoupled_diloco.obs.watch import watch
 

@@ -36,6 +36,9 @@ class RunResult:
 
     summary: dict[str, Any]
     params: Params
+    # `monitor.enabled` (decoupled): the job page, still serving the final state; `stop()` it
+    # when done (`experiments.train` does once the report is written).
+    monitor: Any = None
 
 
 def build_trainer(
@@ -154,8 +157,8 @@ def train_and_evaluate(
     if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
         from decoupled_diloco.local.launch import run_decoupled
 
-        summary, params = run_decoupled(config, workdir, corpus=corpus, task=task)
-        return RunResult(summary=summary, params=params)
+        summary, params, monitor = run_decoupled(config, workdir, corpus=corpus, task=task)
+        return RunResult(summary=summary, params=params, monitor=monitor)
     devices = list(devices if devices is not None else jax.devices())
     config_lib.validate(config, device_count=len(devices))
     supervised = supervised_controls is not None  # the process a supervisor runs

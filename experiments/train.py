@@ -58,6 +58,9 @@ def main(argv: list[str]) -> None:
     from decoupled_diloco.obs.report import next_steps, write_report
 
     report = write_report(_WORKDIR.value)
+    if result.monitor is not None:  # `monitor.enabled`: the page was up until the report
+        result.monitor.note(f"report: {report}")
+        result.monitor.stop()
     if _HINTS.value:
         config_file = config_flags.get_config_filename(flags.FLAGS["config"])
         print(next_steps(config, report, config_file), flush=True)

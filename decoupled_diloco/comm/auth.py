@@ -38,6 +38,19 @@ def identify(presented: str, run_token: str) -> int | None:
     return learner_id if hmac.compare_digest(presented.encode(), want.encode()) else None
 
 
+DIGEST_ENV = "DD_RUN_TOKEN_SHA256"  # given to learners: lets them check the run token
+
+
+def token_digest(run_token: str) -> str:
+    """SHA-256 of the run token: a learner holding it can check the token, not recover it."""
+    return hashlib.sha256(run_token.encode()).hexdigest()
+
+
+def digest_matches(presented: str, digest: str) -> bool:
+    """Whether `presented` is the run token whose `token_digest` is `digest`."""
+    return bool(digest) and hmac.compare_digest(token_digest(presented), digest)
+
+
 def main() -> None:
     """`DD_RUN_TOKEN=... python -m decoupled_diloco.comm.auth LEARNER_ID`: print its credential."""
     import os

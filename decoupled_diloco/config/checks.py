@@ -143,6 +143,18 @@ def _validate_compression(z: CompressionConfig) -> None:
     )
 
 
+def _validate_monitor(c: ExperimentConfig) -> None:
+    m = c.monitor
+    _check(0 <= m.port <= 65535, "monitor.port", f"must be in [0, 65535], got {m.port}")
+    _check(m.refresh_s > 0, "monitor.refresh_s", "must be > 0")
+    _check(
+        not m.enabled or c.mode == "decoupled",
+        "monitor.enabled",
+        f"serves a decoupled run (a syncer and learner processes); mode {c.mode!r} writes "
+        "metrics.jsonl and TensorBoard events (see docs/operations.md)",
+    )
+
+
 def _validate_supervisor(c: ExperimentConfig) -> None:
     sup = c.supervisor
     _check(sup.max_restarts >= 0, "supervisor.max_restarts", "must be >= 0")
@@ -299,6 +311,7 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
     if builtin:
         _validate_model_kind(c)
     _validate_supervisor(c)
+    _validate_monitor(c)
     _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", "must be >= 0 (0: evaluate only at the end)")

@@ -412,6 +412,28 @@ class SupervisorConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    """Operating a decoupled run (docs/operations.md): Prometheus metrics and the job page.
+
+    With `enabled`, the local launcher starts every process (each syncer shard, each learner)
+    with a Prometheus `/metrics` endpoint, serves a live page of the whole job, prints their
+    URLs, and writes `workdir/prometheus_targets.json` (Prometheus `file_sd_configs`). Every
+    request must carry the run token.
+
+    Attributes:
+      enabled: serve metrics and the page (decoupled mode).
+      host: interface the page and the endpoints bind ("127.0.0.1": this machine only).
+      port: the page's port (0: any free one).
+      refresh_s: seconds between the page's polls of the syncer (and its refreshes).
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    refresh_s: float = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """A whole run. Field names are the `--config.X` flags.
 
@@ -444,6 +466,7 @@ class ExperimentConfig:
       compression: compression of the decoupled mode's outer gradients.
       moe: mixture-of-experts routing (model.kind "moe").
       supervisor: restarts of killed learners (warm standby spares).
+      monitor: Prometheus metrics and the live job page (decoupled mode).
     """
 
     mode: str = "diloco"
@@ -467,6 +490,7 @@ class ExperimentConfig:
     compression: CompressionConfig = CompressionConfig()
     moe: MoEConfig = MoEConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    monitor: MonitorConfig = MonitorConfig()
 
     @property
     def devices_per_learner(self) -> int:

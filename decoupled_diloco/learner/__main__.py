@@ -26,5 +26,12 @@ flags.DEFINE_string(
 flags.DEFINE_string("coordinator", "", "Multi-process island: HOST:PORT of its process 0.")
 flags.DEFINE_integer("num_processes", 1, "Processes (hosts) forming this learner's island.")
 flags.DEFINE_integer("process_id", 0, "This process's index in its island (0: leader).")
+flags.DEFINE_integer(
+    "metrics_port",
+    -1,
+    "Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free; -1: off).",
+)
+flags.DEFINE_string("metrics_host", "127.0.0.1", "Interface the metrics bind (default: loopback).")
+flags.DEFINE_string("metrics_port_file", "", "Write the metrics' bound port here.")
 flags.DEFINE_string("standby", "", "Warm standby: warm up, then wait in DIR (see standby).")
 learner_cli.start()

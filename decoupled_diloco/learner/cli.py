@@ -69,6 +69,19 @@ def main(argv: list[str], warm: Any = None) -> None:
             controls=controls,
         )
         learner.startup.update(warm.startup if warm else {})
+    metrics = None
+    if leader and values.metrics_port >= 0:  # docs/operations.md; served from now to the end
+        from decoupled_diloco.comm import auth, wire
+        from decoupled_diloco.learner.metrics import scrape_check, serve_metrics
+        from decoupled_diloco.obs.http import write_port
+
+        check = scrape_check(
+            wire.run_token(config.decoupled.syncer), os.environ.get(auth.DIGEST_ENV, "")
+        )
+        metrics = serve_metrics(learner, check, values.metrics_host, values.metrics_port)
+        if values.metrics_port_file:
+            write_port(values.metrics_port_file, metrics.port)
+        print(f"[learner {learner.id}] metrics at {metrics.url('/metrics')}", flush=True)
     learner.connect()
     learner.startup["connected"] = time.time()
     print(f"[learner {learner.id}] joined at versions {learner.sync.versions}", flush=True)
@@ -79,6 +92,8 @@ def main(argv: list[str], warm: Any = None) -> None:
         path.with_suffix(".tmp").replace(path)
     stall = 100 * summary["stall_fraction"]
     print(f"[learner {learner.id}] done: {summary['steps']} steps, stall {stall:.2f}%", flush=True)
+    if metrics is not None:
+        metrics.stop()
 
 
 def start() -> None:

@@ -47,7 +47,7 @@ from decoupled_diloco.core import outer
 from decoupled_diloco.learner.encoder import MeshEncoder
 from decoupled_diloco.learner.outbox import Outbox
 from decoupled_diloco.learner.recovery import reschedule
-from decoupled_diloco.learner.round_trip import Inbound, Outgoing, round_trip
+from decoupled_diloco.learner.round_trip import Inbound, Outgoing, Trip, round_trip
 
 Params = Any
 _STEP_WINDOW = 10  # steps per measurement of the step time
@@ -128,6 +128,7 @@ class DecoupledSync:
             task = make_task(config)
         self.config, self.id, self.client, self.mesh_name = config, learner_id, client, mesh_name
         self.on_state = on_state
+        self.on_trip: Callable[[Trip], None] | None = None  # each round trip (`learner.metrics`)
         self.task_fingerprint = task.fingerprint(F.tensor_specs(abstract_params))
         self._given = params  # what `__enter__` joins with
         self._initial: Params = None  # the global values `__enter__` joined, for the first call
@@ -513,6 +514,8 @@ class DecoupledSync:
         if trip is None:  # folded into a newer push, dropped, or the learner is stopping
             return
         self.pushes[trip.outcome] += 1
+        if self.on_trip is not None:
+            self.on_trip(trip)
         if job.final:
             return
         self.round_log.append(

@@ -86,6 +86,7 @@ class Learner:
         self.startup: dict[str, float] = {"process_start": runtime.process_start_time()}
         self.startup["constructing"] = t_construct
         self._compiled = False
+        self.state = "starting"  # as the timeline names it (`obs.timeline.STATES`)
 
     sync_class = DecoupledSync  # a multi-process island's replaces its device<->host hooks
 
@@ -136,7 +137,8 @@ class Learner:
         self.sync.connect(timeout_s, peers_s)
 
     def _mark(self, state: str, step: int = -1) -> None:
-        """Records a state change in the timeline (if any)."""
+        """Records a state change (`self.state`), and in the timeline if any."""
+        self.state = state
         if self.timeline is not None:
             self.timeline.enter(state, step)
 

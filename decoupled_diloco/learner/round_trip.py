@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,8 @@ class Trip:
     values: list[np.ndarray] = dataclasses.field(default_factory=list)
     sent: int = 0
     received: int = 0
+    push_s: float = 0.0  # delivering the push, retries included
+    pull_s: float = 0.0  # from the push's answer until the merge holding it arrived
 
 
 def round_trip(
@@ -117,6 +120,7 @@ def round_trip(
         tensors=tensors,
         retries=0,  # retried here, not inside the client too
     )
+    t0 = time.perf_counter()
     if job.ticket is not None and outbox is not None:
         reply = outbox.deliver(job.ticket, send, stop, on_retry)
     else:
@@ -124,7 +128,8 @@ def round_trip(
     if reply is None:
         return None
     outcome = "duplicate" if reply.duplicate else "accepted" if reply.accepted else "late"
-    trip = Trip(outcome, sent=client.last_bytes())
+    trip = Trip(outcome, sent=client.last_bytes(), push_s=time.perf_counter() - t0)
+    t0 = time.perf_counter()
     if job.final:
         return trip
     # An accepted push waits in the fragment's open round, which the next merge closes: wait
@@ -144,4 +149,5 @@ def round_trip(
             break
         trip.version, trip.values = pulled
         trip.received += client.last_bytes()
+    trip.pull_s = time.perf_counter() - t0
     return trip

@@ -37,6 +37,7 @@ from decoupled_diloco.core.compression import ring_allreduce_bytes
 from decoupled_diloco.local import supervisor as supervisor_lib
 from decoupled_diloco.local.evaluator import GlobalEvaluator
 from decoupled_diloco.local.procs import Processes, free_port
+from decoupled_diloco.obs import monitor as monitor_lib
 from decoupled_diloco.obs import watch
 from decoupled_diloco.obs.metrics import MetricsWriter, write_summary
 
@@ -53,6 +54,26 @@ def child_env(token: str) -> dict[str, str]:
     if not env["XLA_FLAGS"]:
         del env["XLA_FLAGS"]
     return env
+
+
+def metrics_flags(
+    workdir: pathlib.Path, name: str, config: config_lib.ExperimentConfig
+) -> list[str]:
+    """Process `name`'s metrics flags under `monitor.enabled` (else none).
+
+    A fixed free port (a restart comes back on it), written to `workdir/NAME.metrics.port`
+    once serving.
+    """
+    if not config.monitor.enabled:
+        return []
+    port_file = workdir / f"{name}{monitor_lib.PORT_SUFFIX}"
+    port_file.unlink(missing_ok=True)
+    host = config.monitor.host
+    return [
+        f"--metrics_port={free_port(host)}",
+        f"--metrics_host={host}",
+        f"--metrics_port_file={port_file}",
+    ]
 
 
 def syncer_command(
@@ -155,7 +176,8 @@ def _start_syncers(
             shutil.rmtree(workdir / "checkpoints" / f"syncer_{s}", ignore_errors=True)
         directory = workdir / "checkpoints" / f"syncer_{s}" if durable else None
         command = syncer_command(config_file, port_files[s], free_port(), s, directory)
-        supervisor.add("syncer" if shards == 1 else f"syncer_{s}", command)
+        name = "syncer" if shards == 1 else f"syncer_{s}"
+        supervisor.add(name, command + metrics_flags(workdir, name, config))
     ports = [_wait_for_port(f, procs, timeout_s=180) for f in port_files]
     return ",".join(f"127.0.0.1:{port}" for port in ports)
 
@@ -207,11 +229,13 @@ def run_decoupled(
     corpus: Any = None,
     progress_s: float = 2.0,
     task: Any = None,
-) -> tuple[dict[str, Any], Any]:
-    """Runs a syncer and `num_learners` learners to the end; returns (summary, params).
+) -> tuple[dict[str, Any], Any, Any]:
+    """Runs a syncer and `num_learners` learners to the end; returns (summary, params, monitor).
 
     A user's task (`config.task`) is imported by every process; `task` is this process's copy
-    of it (the evaluator's; default: `make_task(config)`).
+    of it (the evaluator's; default: `make_task(config)`). With `monitor.enabled` every process
+    serves Prometheus metrics and the job page is served (`obs.monitor`); `monitor` is that
+    page, still up with the final state, for the caller to `stop()` (else None).
 
     Raises:
       RuntimeError: a child process failed (its log tail is in the message).
@@ -239,7 +263,7 @@ def run_decoupled(
     )
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
-    injector = None
+    injector = monitor = None
     previous = None
     if threading.current_thread() is threading.main_thread():
         # SIGTERM would otherwise end Python without running `finally`: turn it into an exit.
@@ -270,15 +294,20 @@ def run_decoupled(
         summaries = [workdir / f"learner_{i}.json" for i in range(config.num_learners)]
         for i in range(config.num_learners):
             summaries[i].unlink(missing_ok=True)
+            metrics = metrics_flags(workdir, f"learner_{i}", config)
             for name, command in island_commands(config, config_file, address, i, summaries[i]):
                 leader = name == f"learner_{i}"
-                # A learner holds only its own credential: it can act as itself, not as others.
+                # A learner holds only its own credential: it can act as itself, not as others
+                # (and, for scrapes of its metrics, the run token's digest: `learner.metrics`).
                 env = {
                     **supervisor_lib.learner_env(i, leader),
                     wire.TOKEN_ENV: auth.learner_credential(token, i),
+                    **({auth.DIGEST_ENV: auth.token_digest(token)} if metrics else {}),
                 }
-                supervisor.add(name, command, learners=[i], env=env)
+                supervisor.add(name, command + metrics, learners=[i], env=env)
         client = syncer_client(address, config.decoupled.syncer, token)
+        if config.monitor.enabled:
+            monitor = _start_monitor(config, client, token, workdir)
         supervisor.start_thread()
         if schedule is not None:
             injector = supervisor_lib.start_injector(schedule, supervisor, workdir, client)
@@ -291,6 +320,10 @@ def run_decoupled(
         learners = [json.loads(path.read_text()) for path in summaries]
         params, eval_loss = evaluator()
         client.close()
+    except BaseException:
+        if monitor is not None:
+            monitor.stop()
+        raise
     finally:
         if injector is not None:
             injector.halt.set()
@@ -333,7 +366,26 @@ def run_decoupled(
     write_summary(workdir, summary)
     if schedule is not None:  # under faults: the picture of who did what when
         supervisor_lib.write_timeline_png(workdir)
-    return summary, params
+    if monitor is not None:  # the page stays up (the caller stops it) with the final state
+        monitor.finish(f"finished: summary in {workdir / 'summary.json'}")
+    return summary, params, monitor
+
+
+def _start_monitor(
+    config: config_lib.ExperimentConfig, client: Any, token: str, workdir: pathlib.Path
+) -> Any:
+    """`monitor.enabled`: the job page (`obs.monitor`), and its URL and the metrics' printed."""
+    m = config.monitor
+    title = f"decoupled run: {config.num_learners} learners, {_shown(workdir)}"
+    monitor = monitor_lib.Monitor(client, token, m.host, m.port, workdir, m.refresh_s, title)
+    monitor.start()
+    print(
+        f"[decoupled] job page: {monitor.login_url()}\n[decoupled] Prometheus metrics of every "
+        f"process (bearer token: {_shown(workdir / 'run_token')}), targets in "
+        f"{_shown(workdir / monitor_lib.TARGETS_FILE)} (see docs/operations.md)",
+        flush=True,
+    )
+    return monitor
 
 
 def _monitor(

@@ -8,7 +8,6 @@ and serves until SIGTERM or SIGINT.
 """
 
 import os
-import pathlib
 import signal
 import sys
 import threading
@@ -18,6 +17,8 @@ from ml_collections import config_flags
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import runtime
+from decoupled_diloco.obs.http import write_port
+from decoupled_diloco.syncer.metrics import serve_metrics
 from decoupled_diloco.syncer.server import SyncerServer, pause_in_merge
 
 STOP_DEADLINE_S = 4.5  # after SIGTERM: the syncer is gone within 5 s
@@ -30,6 +31,13 @@ flags.DEFINE_integer("shard", 0, "This shard's index in [0, decoupled.syncer.sha
 flags.DEFINE_string(
     "checkpoint_dir", "", "Commit the state here and resume from it (empty: in memory)."
 )
+flags.DEFINE_integer(
+    "metrics_port",
+    -1,
+    "Serve Prometheus metrics at http://HOST:PORT/metrics (0: any free; -1: off).",
+)
+flags.DEFINE_string("metrics_host", "127.0.0.1", "Interface the metrics bind (default: loopback).")
+flags.DEFINE_string("metrics_port_file", "", "Write the metrics' bound port here.")
 flags.DEFINE_string(
     "debug_pause_in_merge", "", "Tests: N:PATH stops the N-th merge halfway and writes PATH."
 )
@@ -53,10 +61,13 @@ def main(argv: list[str]) -> None:
         checkpoint_dir=values.checkpoint_dir or None,
         merge_hook=pause_in_merge(hook) if hook else None,
     ).start()
+    metrics = None
+    if values.metrics_port >= 0:  # docs/operations.md
+        metrics = serve_metrics(server, values.metrics_host, values.metrics_port)
+        if values.metrics_port_file:
+            write_port(values.metrics_port_file, metrics.port)
     if values.port_file:
-        path = pathlib.Path(values.port_file)
-        path.with_suffix(".tmp").write_text(str(server.port))
-        path.with_suffix(".tmp").replace(path)
+        write_port(values.port_file, server.port)
     shards = config.decoupled.syncer.shards
     name = f"[syncer {server.shard}/{shards}]" if shards > 1 else "[syncer]"
     restored = (
@@ -67,7 +78,8 @@ def main(argv: list[str]) -> None:
     print(
         f"{name} listening on {values.host or config.decoupled.syncer.host}:{server.port}; "
         f"fragments {sorted(server.state.owned)} of {len(server.state.fragments)}, quorum "
-        f"{config.decoupled.quorum}, fingerprint {server.fingerprint}{restored}",
+        f"{config.decoupled.quorum}, fingerprint {server.fingerprint}{restored}"
+        + (f"; metrics at {metrics.url('/metrics')}" if metrics else ""),
         flush=True,
     )
     done = threading.Event()

@@ -147,6 +147,7 @@ class FragmentState:
         self.awaiting_sync: dict[int, set[int]] = {}
         self.grace_s = 0.0
         self.merges = self.late = self.duplicates = self.refused_merges = 0
+        self.accepted = 0  # pushes taken into a round (since this process started)
 
     def set_flat(self, flat: np.ndarray) -> None:
         """Installs new global values (`values` become views of `flat`)."""

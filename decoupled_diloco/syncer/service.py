@@ -12,9 +12,11 @@ INVALID_ARGUMENT or RESOURCE_EXHAUSTED and a message. Data calls are admitted by
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
+import threading
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -97,11 +99,27 @@ class SyncerService(pb_grpc.SyncerServicer):
             idle_s=min(s.stream_idle_s, 10.0),
         )
         self.malformed = 0  # requests refused before they reached the state
+        # For `syncer.metrics`: refusals by status code, payload bytes in (pushes) and out.
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.traffic = {"received": 0, "sent": 0}
+        self._counting = threading.Lock()
+
+    def _count(self, what: str, n: int) -> None:
+        with self._counting:
+            self.traffic[what] += n
+
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        """Ends the call with `code` and `message`, counted by code (`refused`)."""
+        with self._counting:
+            self.refused[code.name.lower()] += 1
+        context.abort(code, message)
 
     def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-        self.malformed += 1
+        """`_abort` for a request that is malformed or not allowed (also counted and logged)."""
+        with self._counting:
+            self.malformed += 1
         logging.log_every_n_seconds(logging.WARNING, "[syncer] refused: %s", 5.0, message)
-        context.abort(code, message)
+        self._abort(context, code, message)
 
     def _authorize(self, context: grpc.ServicerContext) -> int:
         """The caller's identity (`auth.OPERATOR` or a learner id), or UNAUTHENTICATED."""
@@ -135,7 +153,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             )
         if p not in self.state.owned:
             shards = self.state.config.decoupled.syncer.shards
-            context.abort(
+            self._abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"fragment {p} belongs to syncer shard {p % shards} of {shards}, not this one",
             )
@@ -143,12 +162,16 @@ class SyncerService(pb_grpc.SyncerServicer):
     def _durable(self, context: grpc.ServicerContext) -> None:
         """Waits until every change so far is committed (see `syncer.durability`)."""
         if not self.state.wait_committed(self.state.seq, self.syncer_config.rpc_timeout_s):
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the syncer could not commit its state")
+            self._abort(
+                context, grpc.StatusCode.UNAVAILABLE, "the syncer could not commit its state"
+            )
 
     def _known(self, learner_id: int, context: grpc.ServicerContext) -> None:
         if learner_id not in self.state.learners:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"learner {learner_id}: register first"
+            self._abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"learner {learner_id}: register first",
             )
 
     def _control_call(self, method: Any) -> Any:
@@ -194,7 +217,8 @@ class SyncerService(pb_grpc.SyncerServicer):
                 else f"has a different parameter tree ({their_tree[:32]}, the syncer's "
                 f"{our_tree}: tree structure, shapes or dtypes) for task {ours!r}"
             )
-            context.abort(
+            self._abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"learner {request.learner_id} {what}; start both with the same config.task "
                 "and config.model",
@@ -322,7 +346,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
         except BaseException:
             if self.state.wal_failed:  # (its file stays: the log may refer to it)
-                context.abort(
+                self._abort(
+                    context,
                     grpc.StatusCode.UNAVAILABLE,
                     f"the syncer's write-ahead log failed ({self.state.wal_failed}); it stops",
                 )
@@ -366,6 +391,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             at += len(data)
             crc = zlib.crc32(data, crc)
         activity.hold()  # complete: the merge and the commit wait are the syncer's, not idleness
+        self._count("received", at)
         if at != expected:
             self._refuse(context, _INVALID, f"payload ended at {at} of its {expected} bytes")
         if claimed is None:
@@ -403,7 +429,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         )
         logging.log_every_n_seconds(logging.ERROR, "[syncer] %s", 30.0, message)
         context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     def _data_chunk(
         self, raw: bytes, seq: int, context: grpc.ServicerContext
@@ -455,7 +481,9 @@ class SyncerService(pb_grpc.SyncerServicer):
                 chunks = self._compressed_pull(request, version, values, specs)
             else:
                 chunks = self._full_pull(request.fragment, version, values, specs)
-            for chunk in chunks:
+            for i, chunk in enumerate(chunks):
+                if i == 0:  # the header chunk: how many payload bytes the reply carries
+                    self._count("sent", chunk.total_bytes)
                 yield chunk
                 activity.touch()
             self.state.record_sync_time(request.fragment, version, request.learner_id)

@@ -296,6 +296,7 @@ class SyncerState:
                         f"the syncer could not fold this push ({type(error).__name__}: {error}); "
                         "its fragment's open round was dropped"
                     ) from None
+                frag.accepted += 1
                 result = PushResult(True, version=frag.version)
             self.seen[key] = result
             info.pushes += 1
@@ -533,6 +534,9 @@ class SyncerState:
                 "shares": shares,
                 "grace_s": frag.grace_s,
                 "waited_s": now - frag.first_push_t,
+                # (a replayed merge has no quorum time)
+                "quorum_wait_s": (now if frag.quorum_t is None else frag.quorum_t)
+                - frag.first_push_t,
                 "ema_step_s": self.ema_step.get(),
                 "ema_quorum_s": self.ema_quorum.get(),
                 "ema_sync_s": self.ema_sync.get(),

@@ -33,10 +33,12 @@ def status(state: Any) -> dict[str, Any]:
                     "owned": p in state.owned,
                     "merges": f.merges,
                     "pending": sorted(f.pending),
+                    "accepted_pushes": f.accepted,
                     "late_pushes": f.late,
                     "refused_merges": f.refused_merges,
                     "duplicate_pushes": f.duplicates,
                     "bytes": sum(s.nbytes for s in f.specs),
+                    "grace_s": f.grace_s,
                 }
                 for p, f in enumerate(state.fragments)
             ],
