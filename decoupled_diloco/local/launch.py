@@ -57,9 +57,9 @@ def child_env(token: str) -> dict[str, str]:
 
 
 def metrics_flags(
-    workdir: pathlib.Path, name: str, config: config_lib.ExperimentConfig
+    workdir: pathlib.Path, name: str, config: config_lib.ExperimentConfig, urls: dict[str, str]
 ) -> list[str]:
-    """Process `name`'s metrics flags under `monitor.enabled` (else none).
+    """Process `name`'s metrics flags under `monitor.enabled` (else none); its URL into `urls`.
 
     A fixed free port (a restart comes back on it), written to `workdir/NAME.metrics.port`
     once serving.
@@ -69,8 +69,10 @@ def metrics_flags(
     port_file = workdir / f"{name}{monitor_lib.PORT_SUFFIX}"
     port_file.unlink(missing_ok=True)
     host = config.monitor.host
+    port = free_port(host)
+    urls[name] = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}/metrics"
     return [
-        f"--metrics_port={free_port(host)}",
+        f"--metrics_port={port}",
         f"--metrics_host={host}",
         f"--metrics_port_file={port_file}",
     ]
@@ -157,15 +159,18 @@ def _start_syncers(
     port_file: pathlib.Path,
     supervisor: Any,
     procs: Processes,
-) -> str:
-    """Starts the `syncer.shards` syncer processes; returns their addresses, comma-separated.
+) -> tuple[str, dict[str, str]]:
+    """Starts the `syncer.shards` syncer processes; returns their addresses and metrics URLs.
 
-    Each shard gets a fixed free port (a restart comes back on it) and its own directory
+    The addresses come comma-separated; the metrics URLs by process name (`monitor.enabled`;
+    the learners' are added to it as they are started). Each shard gets a fixed free port (a
+    restart comes back on it) and its own directory
     `workdir/checkpoints/syncer_S` (write-ahead log and snapshots, unless
     `decoupled.syncer.durable` is off): a restart loses nothing a learner was told. One shard
     is named `syncer`.
     """
     shards = config.decoupled.syncer.shards
+    metrics_urls = {}
     port_files = [port_file] + [workdir / f"syncer_{s}.port" for s in range(1, shards)]
     for s in range(shards):
         port_files[s].unlink(missing_ok=True)
@@ -177,9 +182,9 @@ def _start_syncers(
         directory = workdir / "checkpoints" / f"syncer_{s}" if durable else None
         command = syncer_command(config_file, port_files[s], free_port(), s, directory)
         name = "syncer" if shards == 1 else f"syncer_{s}"
-        supervisor.add(name, command + metrics_flags(workdir, name, config))
+        supervisor.add(name, command + metrics_flags(workdir, name, config, metrics_urls))
     ports = [_wait_for_port(f, procs, timeout_s=180) for f in port_files]
-    return ",".join(f"127.0.0.1:{port}" for port in ports)
+    return ",".join(f"127.0.0.1:{port}" for port in ports), metrics_urls
 
 
 def _wait_for_port(port_file: pathlib.Path, procs: Processes, timeout_s: float) -> int:
@@ -269,7 +274,9 @@ def run_decoupled(
         # SIGTERM would otherwise end Python without running `finally`: turn it into an exit.
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        address = _start_syncers(config, config_file, workdir, port_file, supervisor, procs)
+        address, metrics_urls = _start_syncers(
+            config, config_file, workdir, port_file, supervisor, procs
+        )
         # Owner-only, so that `status --workdir=WORKDIR` can watch this local run.
         fd = os.open(workdir / "run_token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -294,7 +301,7 @@ def run_decoupled(
         summaries = [workdir / f"learner_{i}.json" for i in range(config.num_learners)]
         for i in range(config.num_learners):
             summaries[i].unlink(missing_ok=True)
-            metrics = metrics_flags(workdir, f"learner_{i}", config)
+            metrics = metrics_flags(workdir, f"learner_{i}", config, metrics_urls)
             for name, command in island_commands(config, config_file, address, i, summaries[i]):
                 leader = name == f"learner_{i}"
                 # A learner holds only its own credential: it can act as itself, not as others
@@ -307,7 +314,7 @@ def run_decoupled(
                 supervisor.add(name, command + metrics, learners=[i], env=env)
         client = syncer_client(address, config.decoupled.syncer, token)
         if config.monitor.enabled:
-            monitor = _start_monitor(config, client, token, workdir)
+            monitor = _start_monitor(config, client, token, workdir, metrics_urls)
         supervisor.start_thread()
         if schedule is not None:
             injector = supervisor_lib.start_injector(schedule, supervisor, workdir, client)
@@ -372,17 +379,22 @@ def run_decoupled(
 
 
 def _start_monitor(
-    config: config_lib.ExperimentConfig, client: Any, token: str, workdir: pathlib.Path
+    config: config_lib.ExperimentConfig,
+    client: Any,
+    token: str,
+    workdir: pathlib.Path,
+    metrics_urls: dict[str, str],
 ) -> Any:
-    """`monitor.enabled`: the job page (`obs.monitor`), and its URL and the metrics' printed."""
+    """`monitor.enabled`: the job page (`obs.monitor`); its URL and the metrics' printed."""
     m = config.monitor
     title = f"decoupled run: {config.num_learners} learners, {_shown(workdir)}"
     monitor = monitor_lib.Monitor(client, token, m.host, m.port, workdir, m.refresh_s, title)
     monitor.start()
+    urls = ", ".join(f"{name} {url}" for name, url in metrics_urls.items())
     print(
-        f"[decoupled] job page: {monitor.login_url()}\n[decoupled] Prometheus metrics of every "
-        f"process (bearer token: {_shown(workdir / 'run_token')}), targets in "
-        f"{_shown(workdir / monitor_lib.TARGETS_FILE)} (see docs/operations.md)",
+        f"[decoupled] job page: {monitor.login_url()}\n[decoupled] Prometheus metrics: {urls} "
+        f"(bearer token: {_shown(workdir / 'run_token')}; scrape targets: "
+        f"{_shown(workdir / monitor_lib.TARGETS_FILE)}; docs/operations.md)",
         flush=True,
     )
     return monitor

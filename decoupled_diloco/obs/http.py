@@ -28,6 +28,7 @@ import prometheus_client
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 COOKIE = "dd_token"
+_WEEK_S = 7 * 24 * 3600  # the cookie outlives the browser for a week
 _REFUSED = (
     b"401: missing or wrong run token. Send the header 'Authorization: Bearer TOKEN', or open "
     b"/?token=TOKEN once in a browser.\n"
@@ -149,7 +150,7 @@ class HttpServer:
             secret = query["token"][0]
             if not self.check(secret):
                 return self._refuse(start_response)
-            cookie = f"{COOKIE}={secret}; HttpOnly; SameSite=Strict; Path=/"
+            cookie = f"{COOKIE}={secret}; HttpOnly; SameSite=Strict; Path=/; Max-Age={_WEEK_S}"
             start_response("303 See Other", [("Location", path), ("Set-Cookie", cookie)])
             return [b""]
         if not self.check(presented_secret(environ)):

@@ -21,9 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from decoupled_diloco.comm import auth
 from decoupled_diloco.obs import page
-from decoupled_diloco.obs.http import HttpServer
+from decoupled_diloco.obs.http import HttpServer, same_secret
 
 TARGETS_FILE = "prometheus_targets.json"
 PORT_SUFFIX = ".metrics.port"  # `workdir/NAME.metrics.port`: NAME's metrics port
@@ -83,8 +82,7 @@ class Monitor:
             "/body": self._text(lambda: page.render_body(self.history), "text/html"),
             "/api/status": self._text(self._json, "application/json"),
         }
-        operator = lambda s: auth.identify(s, token) == auth.OPERATOR  # noqa: E731
-        self.server = HttpServer(operator, routes, host, port)
+        self.server = HttpServer(same_secret(token), routes, host, port)  # the run token only
 
     def login_url(self) -> str:
         """The page's URL with the token: opened once, it leaves a cookie and drops the token."""

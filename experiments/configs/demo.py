@@ -41,5 +41,8 @@ def get_config():
             compression=dataclasses.replace(base.compression, scheme="e3m0"),
             eval=dataclasses.replace(base.eval, every=100),
             chaos="experiments/chaos/demo.yaml",
+            # The live job page and every process's Prometheus metrics (docs/operations.md):
+            # the URL is printed at the start; the page stays up until the report is written.
+            monitor=dataclasses.replace(base.monitor, enabled=True),
         )
     )
