@@ -209,6 +209,8 @@ def test_page_shows_learners_loss_states_and_faults_from_the_run_directory(tmp_p
     events = [
         {"time": 102.5, "event": "fault", "kind": "kill", "learner": 0},
         {"step": 8, "eval_loss": 3.25},
+        # The launcher's progress line: the curve from the run's start, for a late page.
+        {"step": 3, "learner_ids": [0], "learner_steps": [3], "learner_losses": [4.5]},
         {"time": 104.0, "event": "recovery", "kind": "restart", "process": "learner_0"},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in events))
@@ -219,6 +221,7 @@ def test_page_shows_learners_loss_states_and_faults_from_the_run_directory(tmp_p
     assert "<script>" not in body and "&lt;script&gt;" in body  # a hostile learner's text
     assert "a &lt;b&gt;run&lt;/b&gt;" in body
     assert '<span class="step">9</span>' in body and "3.5000" in body
+    assert history.losses["0"][:3] == [(3, 4.5), (5, 4.0), (9, 3.5)]
     assert history.state_of("0") == "stepping"  # the timeline's state, not the heartbeat's
     assert body.count("<polyline") == 1 and 'class="eval"' in body
     assert 'class="fault"' in body and 'class="recovery"' in body
@@ -229,6 +232,12 @@ def test_page_shows_learners_loss_states_and_faults_from_the_run_directory(tmp_p
     history.add(_status(10, 3.4, merges=3, uptime=22.0), now=107.0)
     assert [s for _, s in history.spans["0"]] == ["starting", "compiling", "stepping", "blocked"]
     assert len(history.events) == 2 and history.evals == [(8, 3.25)]
+    # Another file (the supervisor's) names the learner too: states stay in time order.
+    down = {"t": 101.5, "state": "down", "learners": [0], "step": -1}
+    (tmp_path / "timeline" / "supervisor.jsonl").write_text(json.dumps(down) + "\n")
+    history.add(_status(11, 3.3, merges=3, uptime=23.0), now=108.0)
+    assert [s for _, s in history.spans["0"]][1:4] == ["compiling", "down", "stepping"]
+    assert [t for t, _ in history.spans["0"]] == sorted(t for t, _ in history.spans["0"])
     document = page.page(history)
     assert document.startswith("<!doctype html>")
     assert "://" not in document and not re.search(r"\b(src|href)=", document)  # self-contained
@@ -272,3 +281,44 @@ def test_monitor_serves_the_page_and_its_json_behind_the_token(syncer, tmp_path)
         assert write_targets(tmp_path) == targets
     finally:
         monitor.stop()
+
+
+@pytest.mark.multiprocess
+def test_status_serve_runs_the_page_until_sigterm(syncer, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    server, client, _ = syncer
+    client.register(0, server.fingerprint, "1x1")
+    client.heartbeat(learner_id=0, step=31, loss=2.0, state="training", versions=[0, 0])
+    # What the local launcher leaves in its workdir for `status --workdir`.
+    (tmp_path / "syncer.port").write_text(str(server.port))
+    (tmp_path / "run_token").write_text(TOKEN)
+    command = [sys.executable, "-m", "decoupled_diloco.status", f"--workdir={tmp_path}"]
+    command += ["--serve=0", "--interval=0.2"]
+    env = {k: v for k, v in os.environ.items() if k != "DD_RUN_TOKEN"}
+    root = pathlib.Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    watchdog = threading.Timer(120, proc.kill)  # bounds the read below
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()  # the first line names the page
+        url = re.search(r"job page at (http://\S+)", line)
+        assert url, line + proc.stdout.read() if proc.poll() is not None else line
+        page_url = url.group(1).split("?")[0]
+        assert _status_code(page_url) == 401
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        with urllib.request.urlopen(urllib.request.Request(page_url, headers=bearer)) as r:
+            assert '<span class="step">31</span>' in r.read().decode()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

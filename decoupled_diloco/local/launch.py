@@ -457,6 +457,7 @@ def _monitor(
                     loss=float(np.mean([v for v in losses if v is not None]))
                     if any(v is not None for v in losses)
                     else None,
+                    learner_ids=[int(i) for i in learners],
                     learner_losses=losses,
                     learner_steps=steps,
                     learner_states=[x["state"] for x in learners.values()],

@@ -12,6 +12,7 @@ run directory's files, so the page can be checked without a browser.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import html
 import json
@@ -95,17 +96,20 @@ class JobHistory:
         now = time.time() if now is None else now
         self.status, self.polled_t, self.error = status, now, ""
         self.merges_per_min = self._rate.update(status)
+        self._read_files()
         for i, x in status.get("learners", {}).items():
-            loss, step = x.get("loss"), x.get("step", 0)
-            points = self.losses[i]
-            if isinstance(loss, int | float) and math.isfinite(loss):
-                if not points or step > points[-1][0]:
-                    points.append((int(step), float(loss)))
-                if len(points) > MAX_POINTS:  # keep the shape: every other old point goes
-                    points[:] = points[:-50:2] + points[-50:]
+            self._point(i, x.get("step", 0), x.get("loss"))
             if not self._has_timelines():
                 self._enter(i, now, str(x.get("state", "?")))
-        self._read_files()
+
+    def _point(self, learner: str, step: Any, loss: Any) -> None:
+        points = self.losses[learner]
+        if not (isinstance(loss, int | float) and math.isfinite(loss) and isinstance(step, int)):
+            return
+        if not points or step > points[-1][0]:
+            points.append((step, float(loss)))
+        if len(points) > MAX_POINTS:  # keep the shape: every other old point goes
+            points[:] = points[:-50:2] + points[-50:]
 
     def state_of(self, learner: str) -> str:
         """The learner's latest recorded state ('' if none)."""
@@ -121,9 +125,13 @@ class JobHistory:
         return self.workdir is not None and (self.workdir / "timeline").is_dir()
 
     def _enter(self, learner: str, t: float, state: str) -> None:
+        """Records a state change at `t`, in time order (several files name one learner)."""
         spans = self.spans[learner]
-        if not spans or spans[-1][1] != state:
-            spans.append((t, state))
+        at = bisect.bisect_right(spans, t, key=lambda x: x[0])
+        if at == 0 or spans[at - 1][1] != state:
+            spans.insert(at, (t, state))
+            if at + 1 < len(spans) and spans[at + 1][1] == state:  # the next one repeats it
+                del spans[at + 1]
             del spans[:-MAX_SPANS]
 
     def _tail(self, path: pathlib.Path) -> list[dict[str, Any]]:
@@ -143,9 +151,18 @@ class JobHistory:
             if event.get("event") in ("fault", "recovery"):
                 self.events.append(event)
                 del self.events[:-200]
-            elif isinstance(event.get("eval_loss"), int | float):
+                continue
+            if isinstance(event.get("eval_loss"), int | float):
                 self.evals.append((int(event.get("step", 0)), float(event["eval_loss"])))
                 del self.evals[:-MAX_POINTS]
+            ids, steps, losses = (
+                event.get(k) for k in ("learner_ids", "learner_steps", "learner_losses")
+            )
+            if isinstance(ids, list) and isinstance(steps, list) and isinstance(losses, list):
+                # The launcher's progress events: the curves from the run's start, even for a
+                # page started late (`status --serve --workdir`).
+                for i, step, loss in zip(ids, steps, losses, strict=False):
+                    self._point(str(i), step, loss)
 
 
 def _esc(x: Any) -> str:
@@ -274,14 +291,19 @@ def _timeline_chart(history: JobHistory, now: float, width: int = 760) -> str:
                 f'<rect x="{x(start):.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" '
                 f'fill="{COLORS.get(state, "#ffe08a")}"><title>{_esc(state)}</title></rect>'
             )
+    rows = {i: k for k, i in enumerate(sorted(spans))}
     for event in history.events:
         t = float(event.get("time", 0))
-        if t0 <= t <= t1:
-            kind = "fault" if event.get("event") == "fault" else "recovery"
-            who = event.get("process", event.get("learner", event.get("target", "")))
-            what = _esc(f"{kind}: {event.get('kind', '')} {who}")
+        if not t0 <= t <= t1:
+            continue
+        kind = "fault" if event.get("event") == "fault" else "recovery"
+        named = event.get("learners", [event["learner"]] if "learner" in event else [])
+        marked = [rows[str(i)] for i in named if str(i) in rows] or None  # None: the whole job
+        what = _esc(f"{kind}: {event.get('kind', '')} {event.get('process', named)}")
+        for k in marked or [None]:
+            y0, y1 = (0, height - 26) if k is None else (2 + k * row, k * row + row)
             parts.append(
-                f'<line class="{kind}" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="0" y2="{height - 26}">'
+                f'<line class="{kind}" x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{y0}" y2="{y1}">'
                 f"<title>{what}</title></line>"
             )
     parts.append(
