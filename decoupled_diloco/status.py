@@ -76,13 +76,15 @@ def _serve(address: str, config: SyncerConfig, token: str) -> None:
     import signal
     import threading
 
+    from decoupled_diloco.comm import auth
     from decoupled_diloco.obs.monitor import Monitor
 
     try:
         client = syncer_client(address, config, token)
         monitor = Monitor(
             client, token, _HOST.value, _SERVE.value, _WORKDIR.value or None, _INTERVAL.value,
-            f"decoupled run: syncer {address}",
+            f"decoupled run: syncer {address}", scrape_secret=auth.scrape_secret(token),
+            close_client=True,
         ).start()  # fmt: skip
     except (ValueError, RuntimeError) as error:  # no token; the port is taken
         sys.exit(str(error))
@@ -93,7 +95,6 @@ def _serve(address: str, config: SyncerConfig, token: str) -> None:
     while not stop.wait(1.0):  # (signal handlers run between the waits)
         pass
     monitor.stop()
-    client.close()
 
 
 def main(argv: list[str]) -> None:

@@ -59,7 +59,6 @@ def main(argv: list[str]) -> None:
 
     report = write_report(_WORKDIR.value)
     if result.monitor is not None:  # `monitor.enabled`: the page was up until the report
-        result.monitor.note(f"report: {report}")
         result.monitor.stop()
     if _HINTS.value:
         config_file = config_flags.get_config_filename(flags.FLAGS["config"])

@@ -2,9 +2,15 @@
 
 import http.client
 import json
+import os
 import pathlib
 import re
+import select
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import urllib.error
 import urllib.request
 
@@ -40,7 +46,7 @@ def scrape(url: str, secret: str | None = TOKEN) -> dict[str, dict]:
     """family name -> {labels tuple: value} of one scrape (samples named as exposed)."""
     headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
     request = urllib.request.Request(url, headers=headers)
-    with urllib.request.urlopen(request, timeout=10) as reply:
+    with urllib.request.urlopen(request, timeout=30) as reply:
         text = reply.read().decode()
     out: dict[str, dict] = {}
     for family in text_string_to_metric_families(text):
@@ -51,7 +57,8 @@ def scrape(url: str, secret: str | None = TOKEN) -> dict[str, dict]:
 
 def _status_code(url: str, headers: dict | None = None) -> int:
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {})) as r:
+        request = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=30) as r:
             return r.status
     except urllib.error.HTTPError as error:
         return error.code
@@ -126,9 +133,17 @@ def test_metrics_refuse_requests_without_the_token(syncer):
     assert _status_code(url, {"Authorization": "Bearer wrong"}) == 401
     assert _status_code(url, {"Cookie": "dd_token=wrong"}) == 401
     assert _status_code(url, {"Authorization": f"Bearer {TOKEN}"}) == 200
-    # Any secret the syncer accepts: a learner's credential may scrape it too.
+    # The run's metrics-only secret, and any secret the syncer accepts (a learner's credential).
+    scrape = auth.scrape_secret(TOKEN)
+    assert _status_code(url, {"Authorization": f"Bearer {scrape}"}) == 200
     credential = auth.learner_credential(TOKEN, 0)
     assert _status_code(url, {"Authorization": f"Bearer {credential}"}) == 200
+    # The scrape secret grants nothing over gRPC.
+    reader = SyncerClient(f"127.0.0.1:{server.port}", server.state.config.decoupled.syncer, scrape)
+    with pytest.raises(Exception, match="UNAUTHENTICATED|wrong run token"):
+        reader.status()
+    reader.close()
+    assert _status_code(metrics.url("/metrics?" + "&".join("a" * 9)), {}) == 400
     assert _status_code(metrics.url("/nothing"), {"Authorization": f"Bearer {TOKEN}"}) == 404
     connection = http.client.HTTPConnection("127.0.0.1", metrics.port, timeout=10)
     connection.request("POST", "/metrics", body=b"x", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -137,20 +152,27 @@ def test_metrics_refuse_requests_without_the_token(syncer):
 
 
 def test_a_browser_trades_the_token_in_the_url_for_a_cookie():
-    server = HttpServer(same_secret(TOKEN), {"/": _hello}).start()
+    scrape = auth.scrape_secret(TOKEN)
+    check = lambda s: same_secret(TOKEN)(s) or same_secret(scrape)(s)  # noqa: E731
+    server = HttpServer(check, {"/": _hello}, cookie_secret=scrape).start()
     try:
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         connection.request("GET", "/?token=wrong")
         assert connection.getresponse().status == 401
         connection.close()
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-        connection.request("GET", f"/?token={TOKEN}")
+        connection.request("GET", f"//elsewhere.example/%0d%0aX-Bad:%201?token={TOKEN}")
         reply = connection.getresponse()
-        assert reply.status == 303 and reply.getheader("Location") == "/"
+        assert reply.status == 303 and reply.getheader("Location") == "/"  # never elsewhere
+        assert reply.getheader("X-Bad") is None
         cookie = reply.getheader("Set-Cookie")
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        # The cookie holds the metrics-only secret, never the run token; named after the port.
+        assert cookie.startswith(f"dd_token_{server.port}={scrape};") and TOKEN not in cookie
         connection.close()
         assert _status_code(server.url("/"), {"Cookie": cookie.split(";")[0]}) == 200
+        other_port = f"dd_token_{server.port + 1}={scrape}"
+        assert _status_code(server.url("/"), {"Cookie": other_port}) == 401
     finally:
         server.stop()
 
@@ -165,14 +187,34 @@ def test_idle_connections_cannot_take_every_thread():
             _status_code(server.url("/"), {"Authorization": f"Bearer {TOKEN}"})
         for sock in idle:
             sock.close()
-        wait_until(
-            lambda: _status_code(server.url("/"), {"Authorization": f"Bearer {TOKEN}"}) == 200,
-            20,
-            "a slot freed by a closed connection",
-        )
+        wait_until(lambda: server._server.slots._value == 2, 20, "slots freed by closed sockets")
+        assert _status_code(server.url("/"), {"Authorization": f"Bearer {TOKEN}"}) == 200
     finally:
         for sock in idle:
             sock.close()
+        server.stop()
+
+
+def test_a_connection_is_cut_at_its_deadline_whatever_it_sends():
+    server = HttpServer(same_secret(TOKEN), {"/": _hello}, deadline_s=1.0).start()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        sock.send(b"GET / HTTP/1.1\r\n")
+        lines, closed = 0, False
+        while lines < 60 and not closed:  # a header line every 0.2 s, never the blank line
+            try:
+                sock.send(b"X-Trickle: 1\r\n")
+                lines += 1
+                if select.select([sock], [], [], 0.2)[0]:
+                    data = sock.recv(1024)
+                    assert data == b"", data  # cut, not answered
+                    closed = True
+            except OSError:  # reset or broken pipe: cut
+                closed = True
+        # Cut by the 1 s deadline (~5-10 lines), long before the 100-header limit would.
+        assert closed and lines < 50, lines
+    finally:
+        sock.close()
         server.stop()
 
 
@@ -256,21 +298,26 @@ def test_monitor_serves_the_page_and_its_json_behind_the_token(syncer, tmp_path)
     (tmp_path / f"syncer{'.metrics.port'}").write_text(str(metrics.port))
     client.register(0, server.fingerprint, "1x1")
     client.heartbeat(learner_id=0, step=7, loss=2.0, state="training", versions=[0, 0])
-    monitor = Monitor(client, TOKEN, workdir=tmp_path, refresh_s=0.1).start()
+    scrape = auth.scrape_secret(TOKEN)
+    monitor = Monitor(client, TOKEN, workdir=tmp_path, refresh_s=0.1, scrape_secret=scrape).start()
     try:
         assert _status_code(monitor.url()) == 401
         # A learner's credential reads the syncer, not the operator's page.
         credential = auth.learner_credential(TOKEN, 0)
         assert _status_code(monitor.url(), {"Authorization": f"Bearer {credential}"}) == 401
         bearer = {"Authorization": f"Bearer {TOKEN}"}
-        with urllib.request.urlopen(urllib.request.Request(monitor.url(), headers=bearer)) as r:
+        assert _status_code(monitor.url(), {"Authorization": f"Bearer {scrape}"}) == 200
+        request = urllib.request.Request(monitor.url(), headers=bearer)
+        with urllib.request.urlopen(request, timeout=30) as r:
             assert "script-src 'unsafe-inline'" in r.getheader("Content-Security-Policy")
             assert '<span class="step">7</span>' in r.read().decode()
         client.heartbeat(learner_id=0, step=8, loss=1.9, state="training", versions=[0, 0])
         api = monitor.server.url("/api/status")
 
         def step() -> int:
-            with urllib.request.urlopen(urllib.request.Request(api, headers=bearer)) as r:
+            with urllib.request.urlopen(
+                urllib.request.Request(api, headers=bearer), timeout=30
+            ) as r:
                 return json.loads(r.read())["status"]["learners"]["0"]["step"]
 
         wait_until(lambda: step() == 8, 30, "the next poll")
@@ -285,12 +332,6 @@ def test_monitor_serves_the_page_and_its_json_behind_the_token(syncer, tmp_path)
 
 @pytest.mark.multiprocess
 def test_status_serve_runs_the_page_until_sigterm(syncer, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import threading
-
     server, client, _ = syncer
     client.register(0, server.fingerprint, "1x1")
     client.heartbeat(learner_id=0, step=31, loss=2.0, state="training", versions=[0, 0])
@@ -307,13 +348,19 @@ def test_status_serve_runs_the_page_until_sigterm(syncer, tmp_path):
     watchdog = threading.Timer(120, proc.kill)  # bounds the read below
     watchdog.start()
     try:
-        line = proc.stdout.readline()  # the first line names the page
-        url = re.search(r"job page at (http://\S+)", line)
-        assert url, line + proc.stdout.read() if proc.poll() is not None else line
+        seen = ""
+        for line in proc.stdout:  # until the line naming the page (the watchdog bounds it)
+            seen += line
+            url = re.search(r"job page at (http://\S+)", line)
+            if url:
+                break
+        assert url, seen
         page_url = url.group(1).split("?")[0]
         assert _status_code(page_url) == 401
         bearer = {"Authorization": f"Bearer {TOKEN}"}
-        with urllib.request.urlopen(urllib.request.Request(page_url, headers=bearer)) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(page_url, headers=bearer), timeout=30
+        ) as r:
             assert '<span class="step">31</span>' in r.read().decode()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -121,32 +121,36 @@ def test_metrics_of_every_process_and_the_page_in_a_browser(tmp_path, chromium):
             "the launcher's job page URL",
         ).group(1)
         token = (workdir / "run_token").read_text().strip()
+        secret = (workdir / "scrape_token").read_text().strip()  # what Prometheus is given
         wanted = {"syncer", "learner_0", "learner_1"}
         targets = wait_until(
             lambda: (t := _targets(workdir)).keys() >= wanted and t, 240, "every metrics port"
         )
 
+        def scrape_(url: str) -> dict:
+            return scrape(url, secret)
+
         def learner_steps() -> list[float]:
             return [
-                next(iter(scrape(targets[f"learner_{i}"], token)["dd_learner_step"].values()))
+                next(iter(scrape_(targets[f"learner_{i}"])["dd_learner_step"].values()))
                 for i in (0, 1)
             ]
 
         wait_until(lambda: min(learner_steps()) >= 20, 240, "both learners stepping")
-        first = {name: scrape(url, token) for name, url in targets.items()}
+        first = {name: scrape_(url) for name, url in targets.items()}
 
         def merges(sample: dict) -> float:
             return sum(sample["dd_syncer_merges_total"].values())
 
         wait_until(
             lambda: (
-                merges(scrape(targets["syncer"], token)) > merges(first["syncer"])
+                merges(scrape_(targets["syncer"])) > merges(first["syncer"])
                 and min(learner_steps()) > 40
             ),
             240,
             "merges and steps after the first scrape",
         )
-        second = {name: scrape(url, token) for name, url in targets.items()}
+        second = {name: scrape_(url) for name, url in targets.items()}
         for i in (0, 1):
             a, b = first[f"learner_{i}"], second[f"learner_{i}"]
             for counter in (
@@ -165,8 +169,12 @@ def test_metrics_of_every_process_and_the_page_in_a_browser(tmp_path, chromium):
         assert sum(s1["dd_syncer_received_bytes_total"].values()) > sum(
             s0["dd_syncer_received_bytes_total"].values()
         )
+        # Every exposed family is documented, and every documented one is exposed.
         exposed = {base_name(n) for sample in second.values() for n in sample}
-        assert exposed <= documented_names(), exposed - documented_names()
+        assert exposed == documented_names(), exposed ^ documented_names()
+        # The run token scrapes the syncer too; a learner never holds it, so refuses it.
+        assert _status_code(targets["syncer"], {"Authorization": f"Bearer {token}"}) == 200
+        assert _status_code(targets["learner_0"], {"Authorization": f"Bearer {token}"}) == 401
         # Without the token: refused, everywhere.
         page_url = login.split("?")[0]
         for url in [*targets.values(), page_url]:

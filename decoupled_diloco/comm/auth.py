@@ -38,17 +38,18 @@ def identify(presented: str, run_token: str) -> int | None:
     return learner_id if hmac.compare_digest(presented.encode(), want.encode()) else None
 
 
-DIGEST_ENV = "DD_RUN_TOKEN_SHA256"  # given to learners: lets them check the run token
+SCRAPE_ENV = "DD_SCRAPE_TOKEN"  # given to learners: the secret their metrics accept
 
 
-def token_digest(run_token: str) -> str:
-    """SHA-256 of the run token: a learner holding it can check the token, not recover it."""
-    return hashlib.sha256(run_token.encode()).hexdigest()
+def scrape_secret(run_token: str) -> str:
+    """The metrics-only secret of a run: `scrape-HMAC` with HMAC-SHA256(run token, "scrape").
 
-
-def digest_matches(presented: str, digest: str) -> bool:
-    """Whether `presented` is the run token whose `token_digest` is `digest`."""
-    return bool(digest) and hmac.compare_digest(token_digest(presented), digest)
+    Prometheus and the job page's cookie carry it instead of the run token: it reads metrics
+    and the page, and grants nothing over gRPC (the syncer never accepts it for an RPC), so a
+    learner that is given it, or a browser that keeps it, holds no power over the run.
+    """
+    mac = hmac.new(run_token.encode(), b"scrape", hashlib.sha256)
+    return f"scrape-{mac.hexdigest()}"
 
 
 def main() -> None:

@@ -417,8 +417,9 @@ class MonitorConfig:
 
     With `enabled`, the local launcher starts every process (each syncer shard, each learner)
     with a Prometheus `/metrics` endpoint, serves a live page of the whole job, prints their
-    URLs, and writes `workdir/prometheus_targets.json` (Prometheus `file_sd_configs`). Every
-    request must carry the run token.
+    URLs, and writes `workdir/prometheus_targets.json` (Prometheus `file_sd_configs`) and the
+    metrics-only `workdir/scrape_token`. Every request must carry the run token or that scrape
+    secret.
 
     Attributes:
       enabled: serve metrics and the page (decoupled mode).

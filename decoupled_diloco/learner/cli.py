@@ -71,14 +71,12 @@ def main(argv: list[str], warm: Any = None) -> None:
         learner.startup.update(warm.startup if warm else {})
     metrics = None
     if leader and values.metrics_port >= 0:  # docs/operations.md; served from now to the end
-        from decoupled_diloco.comm import auth, wire
-        from decoupled_diloco.learner.metrics import scrape_check, serve_metrics
+        from decoupled_diloco.comm import wire
+        from decoupled_diloco.learner.metrics import serve_metrics
         from decoupled_diloco.obs.http import write_port
 
-        check = scrape_check(
-            wire.run_token(config.decoupled.syncer), os.environ.get(auth.DIGEST_ENV, "")
-        )
-        metrics = serve_metrics(learner, check, values.metrics_host, values.metrics_port)
+        secret = wire.run_token(config.decoupled.syncer)  # its credential, or the run token
+        metrics = serve_metrics(learner, secret, values.metrics_host, values.metrics_port)
         if values.metrics_port_file:
             write_port(values.metrics_port_file, metrics.port)
         print(f"[learner {learner.id}] metrics at {metrics.url('/metrics')}", flush=True)

@@ -178,27 +178,22 @@ class LearnerMetrics(Collector):
         yield from self._pull_s.collect()
 
 
-def serve_metrics(learner: Any, check: Any, host: str = "127.0.0.1", port: int = 0) -> Any:
+def serve_metrics(learner: Any, own_secret: str, host: str = "127.0.0.1", port: int = 0) -> Any:
     """Serves `learner`'s metrics at `http://HOST:PORT/metrics`; returns the `obs.http` server.
 
-    `check(secret)` says whether a scrape's secret is accepted (see `scrape_check`).
+    A scrape may present the secret the learner holds (the run token, or its own credential,
+    `comm.auth`) or the run's scrape secret, when it was given one (`DD_SCRAPE_TOKEN`, set by
+    the launcher): one metrics-only secret then serves every target, and no learner ever sees
+    the run token. A port that cannot be bound is replaced by any free one (said on stderr).
     """
-    from decoupled_diloco.obs.http import HttpServer, metrics_app
+    import os
+
+    from decoupled_diloco.comm import auth
+    from decoupled_diloco.obs.http import HttpServer, metrics_app, same_secret, serve_on
 
     registry = prometheus_client.CollectorRegistry()
     registry.register(LearnerMetrics(learner))
-    return HttpServer(check, {"/metrics": metrics_app(registry)}, host, port).start()
-
-
-def scrape_check(own_secret: str, run_token_digest: str = "") -> Any:
-    """Accepts the learner's own secret, or the run token when its digest is known.
-
-    A learner holds only its credential (`comm.auth`); given `auth.token_digest` of the run
-    token (`DD_RUN_TOKEN_SHA256`, set by the launcher), it also accepts the run token, so that
-    one scrape secret serves every target.
-    """
-    from decoupled_diloco.comm import auth
-    from decoupled_diloco.obs.http import same_secret
-
-    own = same_secret(own_secret)
-    return lambda s: own(s) or auth.digest_matches(s, run_token_digest)
+    own, scrape = same_secret(own_secret), same_secret(os.environ.get(auth.SCRAPE_ENV, ""))
+    routes = {"/metrics": metrics_app(registry)}
+    make = lambda p: HttpServer(lambda s: own(s) or scrape(s), routes, host, p)  # noqa: E731
+    return serve_on(port, make, f"[learner {learner.id}] metrics").start()

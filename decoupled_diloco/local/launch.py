@@ -269,7 +269,7 @@ def run_decoupled(
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
     injector = monitor = None
-    previous = None
+    previous, failed = None, False
     if threading.current_thread() is threading.main_thread():
         # SIGTERM would otherwise end Python without running `finally`: turn it into an exit.
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -305,16 +305,16 @@ def run_decoupled(
             for name, command in island_commands(config, config_file, address, i, summaries[i]):
                 leader = name == f"learner_{i}"
                 # A learner holds only its own credential: it can act as itself, not as others
-                # (and, for scrapes of its metrics, the run token's digest: `learner.metrics`).
+                # (and the metrics-only scrape secret its metrics accept: `learner.metrics`).
                 env = {
                     **supervisor_lib.learner_env(i, leader),
                     wire.TOKEN_ENV: auth.learner_credential(token, i),
-                    **({auth.DIGEST_ENV: auth.token_digest(token)} if metrics else {}),
+                    **({auth.SCRAPE_ENV: auth.scrape_secret(token)} if metrics else {}),
                 }
                 supervisor.add(name, command + metrics, learners=[i], env=env)
         client = syncer_client(address, config.decoupled.syncer, token)
         if config.monitor.enabled:
-            monitor = _start_monitor(config, client, token, workdir, metrics_urls)
+            monitor = _start_monitor(config, address, token, workdir, metrics_urls)
         supervisor.start_thread()
         if schedule is not None:
             injector = supervisor_lib.start_injector(schedule, supervisor, workdir, client)
@@ -326,10 +326,11 @@ def run_decoupled(
             client.wait_ready(120)
         learners = [json.loads(path.read_text()) for path in summaries]
         params, eval_loss = evaluator()
+        if monitor is not None:  # the last poll, while the syncer still answers
+            monitor.finish(f"training finished: final eval loss {eval_loss:.4f}")
         client.close()
     except BaseException:
-        if monitor is not None:
-            monitor.stop()
+        failed = True
         raise
     finally:
         if injector is not None:
@@ -338,6 +339,8 @@ def run_decoupled(
         procs.reap()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if failed and monitor is not None:  # (after the children are gone: never delays them)
+            monitor.stop()
     summary = {
         "mode": config.mode,
         "num_learners": config.num_learners,
@@ -370,30 +373,47 @@ def run_decoupled(
         "max_staleness": status.get("max_staleness", 0),
         "config": dataclasses.asdict(config),
     }
-    write_summary(workdir, summary)
-    if schedule is not None:  # under faults: the picture of who did what when
-        supervisor_lib.write_timeline_png(workdir)
+    try:
+        path = write_summary(workdir, summary)
+        if schedule is not None:  # under faults: the picture of who did what when
+            supervisor_lib.write_timeline_png(workdir)
+    except BaseException:
+        if monitor is not None:
+            monitor.stop()
+        raise
     if monitor is not None:  # the page stays up (the caller stops it) with the final state
-        monitor.finish(f"finished: summary in {workdir / 'summary.json'}")
+        monitor.note(f"summary: {path}")
     return summary, params, monitor
 
 
 def _start_monitor(
     config: config_lib.ExperimentConfig,
-    client: Any,
+    address: str,
     token: str,
     workdir: pathlib.Path,
     metrics_urls: dict[str, str],
 ) -> Any:
-    """`monitor.enabled`: the job page (`obs.monitor`); its URL and the metrics' printed."""
+    """`monitor.enabled`: the job page (`obs.monitor`); its URL and the metrics' printed.
+
+    The scrape secret (`comm.auth.scrape_secret`) goes to `workdir/scrape_token` (owner-only)
+    for Prometheus. The page polls with a client of its own, with short timeouts: a paused or
+    restarting syncer makes it say so within seconds rather than hold it.
+    """
     m = config.monitor
+    scrape = auth.scrape_secret(token)
+    fd = os.open(workdir / "scrape_token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(scrape)
+    quick = dataclasses.replace(config.decoupled.syncer, rpc_timeout_s=5.0, retries=1)
     title = f"decoupled run: {config.num_learners} learners, {_shown(workdir)}"
-    monitor = monitor_lib.Monitor(client, token, m.host, m.port, workdir, m.refresh_s, title)
-    monitor.start()
+    monitor = monitor_lib.Monitor(
+        syncer_client(address, quick, token), token, m.host, m.port, workdir, m.refresh_s, title,
+        scrape_secret=scrape, close_client=True,
+    ).start()  # fmt: skip
     urls = ", ".join(f"{name} {url}" for name, url in metrics_urls.items())
     print(
         f"[decoupled] job page: {monitor.login_url()}\n[decoupled] Prometheus metrics: {urls} "
-        f"(bearer token: {_shown(workdir / 'run_token')}; scrape targets: "
+        f"(bearer token: {_shown(workdir / 'scrape_token')}; scrape targets: "
         f"{_shown(workdir / monitor_lib.TARGETS_FILE)}; docs/operations.md)",
         flush=True,
     )

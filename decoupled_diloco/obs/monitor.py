@@ -18,8 +18,11 @@ import json
 import math
 import pathlib
 import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
+
+from absl import logging
 
 from decoupled_diloco.obs import page
 from decoupled_diloco.obs.http import HttpServer, same_secret
@@ -32,8 +35,9 @@ def write_targets(workdir: pathlib.Path, host: str = "127.0.0.1") -> list[dict[s
     """Writes `workdir/prometheus_targets.json` from its `*.metrics.port` files; returns it.
 
     One target group per process, labelled `process` (syncer, syncer_1, learner_0, ...), in the
-    format of Prometheus's `file_sd_configs`.
+    format of Prometheus's `file_sd_configs`; `host` is where the processes' metrics bind.
     """
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else host
     groups = []
     for path in sorted(workdir.glob(f"*{PORT_SUFFIX}")):
         try:
@@ -59,6 +63,9 @@ class Monitor:
       workdir: the run's directory (timelines, events, metrics ports), or None.
       refresh_s: seconds between polls (and between the page's refreshes).
       title: the page's heading.
+      scrape_secret: the run's metrics-only secret (`comm.auth.scrape_secret`): also accepted,
+        and what a browser's cookie holds after a login (never the run token).
+      close_client: `stop` closes `client` (the monitor's own).
     """
 
     def __init__(
@@ -70,8 +77,11 @@ class Monitor:
         workdir: str | pathlib.Path | None = None,
         refresh_s: float = 2.0,
         title: str = "decoupled run",
+        scrape_secret: str = "",
+        close_client: bool = False,
     ):
         self.client, self.token, self.refresh_s = client, token, refresh_s
+        self.close_client = close_client
         self.workdir = pathlib.Path(workdir) if workdir else None
         self.history = page.JobHistory(self.workdir, title)
         self._lock = threading.Lock()  # the history: the poller writes, requests read
@@ -82,11 +92,15 @@ class Monitor:
             "/body": self._text(lambda: page.render_body(self.history), "text/html"),
             "/api/status": self._text(self._json, "application/json"),
         }
-        self.server = HttpServer(same_secret(token), routes, host, port)  # the run token only
+        run, scrape = same_secret(token), same_secret(scrape_secret)
+        self.server = HttpServer(
+            lambda x: run(x) or scrape(x), routes, host, port, cookie_secret=scrape_secret
+        )
+        self.host = host
 
     def login_url(self) -> str:
         """The page's URL with the token: opened once, it leaves a cookie and drops the token."""
-        return self.server.url(f"/?token={self.token}")
+        return self.server.url(f"/?token={urllib.parse.quote(self.token, safe='')}")
 
     def url(self) -> str:
         """The page's URL without the token."""
@@ -98,22 +112,23 @@ class Monitor:
             self.history.notes.append(text)
 
     def poll_once(self) -> None:
-        """One poll of the syncer (and of the run directory's files)."""
+        """One poll of the syncer (and of the run directory's files); never raises."""
         try:
             status = self.client.status()
         except Exception as error:  # noqa: BLE001 - shown on the page; polled again
             code = getattr(error, "code", None)
             reason = f"{code().name}: {error.details()}" if callable(code) else str(error)
+            status = None
+        try:
             with self._lock:
-                self.history.failed(reason[:300])
-        else:
-            with self._lock:
-                self.history.add(status)
-        if self.workdir is not None:
-            try:
-                write_targets(self.workdir)
-            except OSError:  # the directory went away: nothing to scrape any more
-                pass
+                if status is None:
+                    self.history.failed(reason[:300])
+                else:
+                    self.history.add(status)
+            if self.workdir is not None:
+                write_targets(self.workdir, self.host)
+        except Exception:  # noqa: BLE001 - a bad line or a vanished directory: poll again
+            logging.exception("[monitor] poll failed")
 
     def start(self) -> Monitor:
         """Polls once, then keeps polling in a thread and serves the page; returns self."""
@@ -135,6 +150,8 @@ class Monitor:
         if self._poller.is_alive():
             self._poller.join(timeout=30)
         self.server.stop()
+        if self.close_client:
+            self.client.close()
 
     def _poll(self) -> None:
         while not self._stop.wait(self.refresh_s):

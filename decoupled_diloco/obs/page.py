@@ -148,12 +148,14 @@ class JobHistory:
                     for learner in record.get("learners", []):
                         self._enter(str(learner), float(record.get("t", 0)), str(record["state"]))
         for event in self._tail(self.workdir / "metrics.jsonl"):
-            if event.get("event") in ("fault", "recovery"):
+            if event.get("event") in ("fault", "crash", "recovery"):
                 self.events.append(event)
                 del self.events[:-200]
                 continue
-            if isinstance(event.get("eval_loss"), int | float):
-                self.evals.append((int(event.get("step", 0)), float(event["eval_loss"])))
+            loss = event.get("eval_loss")
+            step = event.get("step", 0)
+            if isinstance(loss, int | float) and math.isfinite(loss) and isinstance(step, int):
+                self.evals.append((step, float(loss)))
                 del self.evals[:-MAX_POINTS]
             ids, steps, losses = (
                 event.get(k) for k in ("learner_ids", "learner_steps", "learner_losses")
@@ -296,7 +298,7 @@ def _timeline_chart(history: JobHistory, now: float, width: int = 760) -> str:
         t = float(event.get("time", 0))
         if not t0 <= t <= t1:
             continue
-        kind = "fault" if event.get("event") == "fault" else "recovery"
+        kind = "recovery" if event.get("event") == "recovery" else "fault"  # a crash is one
         named = event.get("learners", [event["learner"]] if "learner" in event else [])
         marked = [rows[str(i)] for i in named if str(i) in rows] or None  # None: the whole job
         what = _esc(f"{kind}: {event.get('kind', '')} {event.get('process', named)}")
@@ -395,14 +397,20 @@ line.recovery{stroke:#0a0;stroke-width:2;stroke-dasharray:4 2}
 def page(history: JobHistory, refresh_s: float = 2.0) -> str:
     """The whole document: the body as it stands, and a script that refreshes it."""
     ms = max(int(refresh_s * 1000), 250)
+    # A failed refresh says so (a page that silently stops moving would look like a stall).
     script = (
-        "<script>setInterval(async()=>{try{const r=await fetch('/body',{cache:'no-store'});"
-        "if(r.ok)document.getElementById('main').innerHTML=await r.text();}catch(e){}},"
-        f"{ms});</script>"
+        "<script>const stale=document.getElementById('stale');"
+        "setInterval(async()=>{try{const r=await fetch('/body',{cache:'no-store'});"
+        "if(r.ok){document.getElementById('main').innerHTML=await r.text();"
+        "stale.textContent='';}else{stale.textContent=r.status==401?'Logged out: open the "
+        "URL with ?token= again.':'Not updated: HTTP '+r.status+'.';}}catch(e){"
+        "stale.textContent='Not updated: the page server does not answer (the run ended?).';}"
+        f"}},{ms});</script>"
     )
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(history.title)}'
         f'</title><style>{_STYLE}</style><noscript><meta http-equiv="refresh" '
         f'content="{max(int(refresh_s), 1)}"></noscript></head>'
-        f'<body><div id="main">{render_body(history)}</div>{script}</body></html>'
+        f'<body><p id="stale" class="warn"></p><div id="main">{render_body(history)}</div>'
+        f"{script}</body></html>"
     )

@@ -31,6 +31,13 @@ _MERGE_BUCKETS = (0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0)
 _WAIT_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
 
 
+# The codes the syncer refuses with (`SyncerService._abort`), exposed from 0.
+_CODES = (
+    "unauthenticated", "permission_denied", "invalid_argument", "resource_exhausted",
+    "failed_precondition", "unavailable",
+)  # fmt: skip
+
+
 def _finite(x: Any) -> float:
     return float(x) if isinstance(x, int | float) and math.isfinite(x) else math.nan
 
@@ -42,7 +49,8 @@ class SyncerMetrics(Collector):
         self.state, self.service, self.committer = server.state, server.service, server.committer
         self.shard = str(server.shard)
         self._lock = threading.Lock()  # scrapes may overlap; the merge-log cursor is shared
-        self._seen_merges = 0
+        # Merges before this collector (a restored state's) are not observed again.
+        self._seen_merges = len(server.state.merge_log)
         self._merge_s = prometheus_client.Histogram(
             "dd_syncer_merge_seconds",
             "Time to close a round: shares, merged outer gradient, outer step, checks.",
@@ -84,8 +92,8 @@ class SyncerMetrics(Collector):
         )
         with s._counting:
             codes, traffic = dict(s.refused), dict(s.traffic)
-        for code, n in sorted(codes.items()):
-            refused.add_metric([shard, code], n)
+        for code in sorted(set(_CODES) | set(codes)):  # from 0: rate() sees the first one
+            refused.add_metric([shard, code], codes.get(code, 0))
         yield refused
         yield _counter(
             "dd_syncer_received_bytes", "Push payload bytes received.", shard, traffic["received"]
@@ -286,13 +294,21 @@ def _gauge(name: str, text: str, shard: str, value: float) -> GaugeMetricFamily:
 def serve_metrics(server: Any, host: str = "127.0.0.1", port: int = 0) -> Any:
     """Serves `server`'s metrics at `http://HOST:PORT/metrics` (`obs.http`); returns the server.
 
-    Any secret the syncer accepts (the run token, a learner's credential) may scrape.
+    A scrape may present the run's scrape secret (`comm.auth.scrape_secret`) or any secret the
+    syncer accepts for its RPCs (the run token, a learner's credential). A port that cannot be
+    bound is replaced by any free one (said on stderr).
     """
     from decoupled_diloco.comm import auth
-    from decoupled_diloco.obs.http import HttpServer, metrics_app
+    from decoupled_diloco.obs.http import HttpServer, metrics_app, same_secret, serve_on
 
     registry = prometheus_client.CollectorRegistry()
     registry.register(SyncerMetrics(server))
     token = server.service.token
+    scrape = same_secret(auth.scrape_secret(token))
+
+    def check(secret: str) -> bool:
+        return scrape(secret) or auth.identify(secret, token) is not None
+
     routes = {"/metrics": metrics_app(registry)}
-    return HttpServer(lambda s: auth.identify(s, token) is not None, routes, host, port).start()
+    make = lambda p: HttpServer(check, routes, host, p)  # noqa: E731
+    return serve_on(port, make, f"[syncer {server.shard}] metrics").start()

@@ -44,7 +44,7 @@ def status(state: Any) -> dict[str, Any]:
             ],
             "merges": sum(f.merges for f in state.fragments),
             "uptime_s": now - state.started,
-            "merge_sizes": state.merge_sizes,
+            "merge_sizes": list(state.merge_sizes),
             "ema": {
                 "step_s": state.ema_step.get(),
                 "quorum_s": state.ema_quorum.get(),
