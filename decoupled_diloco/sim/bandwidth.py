@@ -218,3 +218,38 @@ def paper_rows() -> list[dict]:
                 {"params": params, "step_time_s": step, "mode": mode, "ours": ours, "paper": ref}
             )
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What sets a learner's communication-to-computation ratio: N, H and the step time.
+
+    A learner sends N·b/P bits of outer gradient every H/P steps of s seconds; over a link of B
+    bit/s that takes N·b/(P·B) seconds against H·s/P of compute: a ratio of N·b/(B·H·s),
+    whatever P.
+    """
+
+    params: float
+    inner_steps: int
+    step_time_s: float
+
+
+# The paper's 12B run over 2-5 Gbit/s (literature.md, "Bandwidth and WAN"): N = 12e9 is the
+# paper's; H = 100 is Table 4's setting, an assumption for the 12B run; the step time 1 s is an
+# assumption too, between Table 4's 10B (0.8 s) and 100B (4.9 s) at 60% MFU.
+PAPER_12B = Workload(params=12e9, inner_steps=100, step_time_s=1.0)
+
+
+def scaled_bandwidth(bandwidth_bps: float, source: Workload, target: Workload) -> float:
+    """The bandwidth at which `target` has `source`'s communication/computation ratio at B.
+
+    Equal bits per value on both sides (the link is what is scaled; an encoding is then
+    compared on equal terms): B_target = B · (N_t / N_s) · (H_s · s_s) / (H_t · s_t).
+    """
+    for name, value in (("bandwidth_bps", bandwidth_bps), ("target.params", target.params)):
+        _positive(name, value)
+    _positive("target.step_time_s", target.step_time_s)
+    ratio = (target.params / source.params) * (
+        source.inner_steps * source.step_time_s / (target.inner_steps * target.step_time_s)
+    )
+    return bandwidth_bps * ratio

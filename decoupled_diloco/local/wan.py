@@ -1,0 +1,213 @@
+"""A wide-area network on one machine: learners in their own network namespaces behind `tc tbf`.
+
+`WanLab(num_learners, rate_mbit)` builds, and removes on exit whatever happens:
+
+  root namespace ── veth (unshaped) ── syncer namespace ──┬─ veth, tbf both ways ── learner 0
+   (launcher, status)                   (the syncer)      ├─ veth, tbf both ways ── learner 1
+                                                          └─ ...
+
+Each link is a private /30 of `10.X.Y.0` that this lab picked and checked is unused; the syncer
+binds 0.0.0.0 inside its own namespace (where only the lab's links exist). A learner reaches
+the syncer at its link's syncer-side address; the launcher at the root link's. The kernel shapes
+every byte both ways (`tbf` on each end's egress), so pushes and pulls alike see the rate.
+Needs root, `ip` and `tc` (iproute2; `apt-get install iproute2`) and the `sch_tbf` qdisc;
+`available()` says whether they are there and why not, so a caller can fall back to the
+in-process pacer (`comm.faulty_link`) and say so. The `netem` qdisc is not used (not available
+on these machines): latency comes from the link-latency fault.
+
+  with WanLab(4, rate_mbit=20) as lab:
+      syncer = lab.in_syncer(["python", "-m", "decoupled_diloco.syncer", "--host=0.0.0.0", ...])
+      learner = lab.in_learner(0, ["python", "-m", "decoupled_diloco.learner",
+                                   f"--syncer={lab.syncer_address(0)}:PORT", ...])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+_PREFIX = "dd"  # every namespace and link this module makes starts with it
+
+
+class WanError(RuntimeError):
+    """The lab could not be built (the message says which command failed and why)."""
+
+
+def available(ip: str = "ip", tc: str = "tc") -> tuple[bool, str]:
+    """Whether a lab can be built here: (True, "") or (False, the reason)."""
+    if os.geteuid() != 0:
+        return False, "not root (network namespaces and qdiscs need CAP_NET_ADMIN)"
+    for tool in (ip, tc):
+        if shutil.which(tool) is None:
+            return False, f"{tool!r} not found (apt-get install iproute2)"
+    probe = f"{_PREFIX}probe{secrets.token_hex(2)}"
+    try:
+        _run([ip, "link", "add", probe, "type", "veth", "peer", "name", probe + "p"])
+        try:
+            _run([tc, "qdisc", "add", "dev", probe, "root", "tbf", "rate", "1mbit",
+                  "burst", "32kb", "latency", "50ms"])  # fmt: skip
+        finally:
+            _run([ip, "link", "del", probe], check=False)
+    except WanError as error:
+        return False, f"cannot shape a link here: {error}"
+    return True, ""
+
+
+def _run(command: Sequence[str], check: bool = True) -> str:
+    done = subprocess.run(list(command), capture_output=True, text=True, timeout=30)
+    if check and done.returncode != 0:
+        raise WanError(f"`{' '.join(command)}` failed: {done.stderr.strip() or done.stdout}")
+    return done.stdout
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """`tc ... tbf` arguments for `rate_mbit` Mbit/s.
+
+    The bucket holds 10 ms of the rate, and at least 64 KiB so that one segmentation-offloaded
+    packet always fits; the queue holds 200 ms before it drops.
+    """
+    rate_bytes = rate_mbit * 1e6 / 8
+    burst = max(int(rate_bytes * 0.01), 64 << 10)
+    return ["tbf", "rate", f"{int(rate_mbit * 1000)}kbit", "burst", str(burst), "latency", "200ms"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One veth pair: its two ends, their namespaces and addresses (a /30)."""
+
+    near: str  # the syncer-side (or root-side) end
+    far: str
+    near_ns: str | None  # None: the root namespace
+    far_ns: str
+    near_addr: str
+    far_addr: str
+
+
+class WanLab:
+    """Network namespaces for a syncer and `num_learners` learners, linked through `tbf`.
+
+    Args:
+      num_learners: learner namespaces to make.
+      rate_mbit: the rate of every learner's link, each way (None: unshaped links).
+      ip, tc: the iproute2 tools.
+    """
+
+    def __init__(self, num_learners: int, rate_mbit: float | None, ip: str = "ip", tc: str = "tc"):
+        self.num_learners, self.rate_mbit, self.ip, self.tc = num_learners, rate_mbit, ip, tc
+        tag = secrets.token_hex(2)
+        self.tag = tag
+        self.syncer_ns = f"{_PREFIX}{tag}s"
+        self.learner_ns = [f"{_PREFIX}{tag}l{i}" for i in range(num_learners)]
+        self.links: list[Link] = []  # [root link, learner 0's, learner 1's, ...] once built
+        self._made_ns: list[str] = []
+        self._made_links: list[tuple[str | None, str]] = []
+
+    # Building and removing ----------------------------------------------------------------
+
+    def __enter__(self) -> WanLab:
+        try:
+            self.build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def build(self) -> None:
+        """Makes the namespaces, links, addresses and qdiscs."""
+        blocks = _free_blocks(self.num_learners + 1)
+        self._namespace(self.syncer_ns)
+        root = self._link("r", None, self.syncer_ns, blocks[0])
+        self.links.append(root)
+        for i, ns in enumerate(self.learner_ns):
+            self._namespace(ns)
+            link = self._link(f"l{i}", self.syncer_ns, ns, blocks[i + 1])
+            if self.rate_mbit is not None:
+                for end, where in ((link.near, link.near_ns), (link.far, link.far_ns)):
+                    self._in(where, [self.tc, "qdisc", "add", "dev", end, "root",
+                                     *tbf_args(self.rate_mbit)])  # fmt: skip
+            self.links.append(link)
+
+    def close(self) -> None:
+        """Removes every link and namespace this lab made (what is already gone is skipped)."""
+        for where, name in reversed(self._made_links):
+            self._in(where, [self.ip, "link", "del", name], check=False)
+        for ns in reversed(self._made_ns):
+            _run([self.ip, "netns", "del", ns], check=False)
+        self._made_links, self._made_ns = [], []
+
+    def _namespace(self, ns: str) -> None:
+        _run([self.ip, "netns", "add", ns])
+        self._made_ns.append(ns)
+        self._in(ns, [self.ip, "link", "set", "lo", "up"])
+
+    def _link(
+        self, name: str, near_ns: str | None, far_ns: str, block: ipaddress.IPv4Network
+    ) -> Link:
+        near, far = f"{_PREFIX}{self.tag}{name}a", f"{_PREFIX}{self.tag}{name}b"
+        self._in(near_ns, [self.ip, "link", "add", near, "type", "veth", "peer", "name", far])
+        self._made_links.append((near_ns, near))  # (deleting one end deletes the pair)
+        self._in(near_ns, [self.ip, "link", "set", far, "netns", far_ns])
+        hosts = list(block.hosts())
+        link = Link(near, far, near_ns, far_ns, str(hosts[0]), str(hosts[1]))
+        for end, where, addr in ((near, near_ns, link.near_addr), (far, far_ns, link.far_addr)):
+            self._in(where, [self.ip, "addr", "add", f"{addr}/30", "dev", end])
+            self._in(where, [self.ip, "link", "set", end, "up"])
+        return link
+
+    def _in(self, ns: str | None, command: list[str], check: bool = True) -> str:
+        prefix = [] if ns is None else [self.ip, "netns", "exec", ns]
+        return _run(prefix + command, check=check)
+
+    # Using it -----------------------------------------------------------------------------
+
+    def in_syncer(self, command: Sequence[str]) -> list[str]:
+        """`command` run inside the syncer's namespace."""
+        return [self.ip, "netns", "exec", self.syncer_ns, *command]
+
+    def in_learner(self, learner: int, command: Sequence[str]) -> list[str]:
+        """`command` run inside learner `learner`'s namespace."""
+        return [self.ip, "netns", "exec", self.learner_ns[learner], *command]
+
+    def syncer_address(self, learner: int | None = None) -> str:
+        """Where learner `learner` (None: the root namespace, the launcher) reaches the syncer."""
+        link = self.links[0] if learner is None else self.links[learner + 1]
+        return link.far_addr if learner is None else link.near_addr
+
+    def made(self) -> tuple[list[str], list[str]]:
+        """(namespaces, root-namespace links) of this lab that exist now (tests, clean-up)."""
+        spaces = _run([self.ip, "netns", "list"], check=False).split()
+        links = _run([self.ip, "-o", "link", "show"], check=False)
+        mine = f"{_PREFIX}{self.tag}"
+        names = [x.split(":")[1].strip().split("@")[0] for x in links.splitlines() if ":" in x]
+        return [s for s in spaces if s.startswith(mine)], [n for n in names if n.startswith(mine)]
+
+
+def _free_blocks(count: int) -> list[ipaddress.IPv4Network]:
+    """`count` /30 blocks of one 10.X.Y.0/24 that no address or route of this host overlaps."""
+    used = []
+    for line in _run(["ip", "-o", "-4", "addr", "show"], check=False).splitlines():
+        for word in line.split():
+            if "/" in word and word[0].isdigit():
+                used.append(ipaddress.ip_network(word, strict=False))
+    for line in _run(["ip", "-4", "route", "show", "table", "all"], check=False).splitlines():
+        word = line.split()[0] if line.split() else ""
+        if word and word[0].isdigit():
+            used.append(ipaddress.ip_network(word if "/" in word else f"{word}/32", strict=False))
+    for _ in range(64):
+        base = ipaddress.ip_network(
+            f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}.0/24"
+        )
+        if not any(base.overlaps(u) for u in used):
+            blocks = list(base.subnets(new_prefix=30))
+            if count > len(blocks):
+                raise WanError(f"{count} links do not fit one /24 ({len(blocks)} /30 blocks)")
+            return blocks[:count]
+    raise WanError("no free 10.200-249.X.0/24 for the lab's links")

@@ -1,0 +1,121 @@
+"""A WAN on one machine (`local.wan`): namespaces, veth pairs and `tc tbf`, built and removed.
+
+Real kernel shaping, measured from inside the namespaces; skipped with the reason where root,
+iproute2 or the `tbf` qdisc is missing. Plus the scaling rule's arithmetic.
+"""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from decoupled_diloco.local import wan
+from decoupled_diloco.sim.bandwidth import PAPER_12B, Workload, scaled_bandwidth
+
+OK, WHY = wan.available()
+needs_lab = pytest.mark.skipif(not OK, reason=f"no kernel shaping here: {WHY}")
+
+# A receiver in one namespace: counts bytes from the first to the last, prints the rate.
+_RECEIVER = r"""
+import socket, sys, time
+s = socket.socket(); s.bind(("0.0.0.0", 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.settimeout(60)
+got, t0 = 0, None
+while True:
+    data = c.recv(1 << 16)
+    if not data:
+        break
+    t0 = t0 or time.perf_counter()
+    got += len(data)
+print(got, time.perf_counter() - t0, flush=True)
+"""
+_SENDER = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+c.sendall(b"x" * int(sys.argv[3])); c.close()
+"""
+
+
+def test_available_says_why_not():
+    ok, why = wan.available(ip="/nonexistent/ip")
+    assert not ok and ("not root" in why or "/nonexistent/ip" in why), why
+
+
+def test_scaling_rule_against_a_hand_computation():
+    # 12B, H=100, 1 s steps over 2 Gbit/s, scaled to 0.5M parameters, H=50, 0.2 s steps:
+    # 2e9 * (0.5e6 / 12e9) * (100 * 1.0) / (50 * 0.2) = 2e9 * 4.1667e-5 * 10 = 833,333 bit/s.
+    tiny = Workload(params=0.5e6, inner_steps=50, step_time_s=0.2)
+    by_hand = 2e9 * 0.5e6 / 12e9 * 10
+    assert scaled_bandwidth(2e9, PAPER_12B, tiny) == pytest.approx(by_hand, rel=1e-12)
+    # The ratio N·b/(B·H·s) is the same on both sides (b equal).
+    b_tiny = scaled_bandwidth(5e9, PAPER_12B, tiny)
+    paper_ratio = PAPER_12B.params / (5e9 * PAPER_12B.inner_steps * PAPER_12B.step_time_s)
+    tiny_ratio = tiny.params / (b_tiny * tiny.inner_steps * tiny.step_time_s)
+    assert tiny_ratio == pytest.approx(paper_ratio)
+    with pytest.raises(ValueError, match="step_time_s"):
+        scaled_bandwidth(2e9, PAPER_12B, Workload(1e6, 50, 0.0))
+
+
+def test_tbf_bucket_holds_a_segmentation_offloaded_packet():
+    args = wan.tbf_args(8.0)
+    assert args[:3] == ["tbf", "rate", "8000kbit"] and int(args[4]) >= 64 << 10
+
+
+@needs_lab
+def test_lab_builds_links_and_removes_everything_even_on_an_error():
+    lab = wan.WanLab(2, rate_mbit=50.0)
+    with pytest.raises(RuntimeError, match="inside"), lab:
+        spaces, links = lab.made()
+        assert sorted(spaces) == sorted([lab.syncer_ns, *lab.learner_ns])
+        assert len(links) == 1  # the root namespace holds only the launcher's end
+        qdisc = subprocess.run(
+            ["ip", "netns", "exec", lab.learner_ns[0], "tc", "qdisc", "show"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert "tbf" in qdisc and "rate 50Mbit" in qdisc
+        # A learner reaches the syncer's namespace; the root namespace reaches it too.
+        for where, address in (
+            (lab.learner_ns[1], lab.syncer_address(1)),
+            (None, lab.syncer_address()),
+        ):
+            command = ["ping", "-c", "1", "-W", "5", address]
+            if where is not None:
+                command = ["ip", "netns", "exec", where, *command]
+            if subprocess.run(["which", "ping"], capture_output=True).returncode == 0:
+                assert subprocess.run(command, capture_output=True).returncode == 0, command
+        raise RuntimeError("an error inside the lab")
+    assert lab.made() == ([], [])
+
+
+@needs_lab
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_a_shaped_transfer_runs_at_the_configured_rate(direction):
+    rate_mbit, size = 8.0, 3_000_000  # ~3 s at the rate; the 64 KiB bucket is 2% of it
+    with wan.WanLab(1, rate_mbit=rate_mbit) as lab:
+        # up: learner -> syncer (pushes); down: syncer -> learner (pulls).
+        receive_in, send_in = (lab.in_syncer, lambda c: lab.in_learner(0, c))
+        target = lab.syncer_address(0)
+        if direction == "down":
+            receive_in, send_in = (lambda c: lab.in_learner(0, c)), lab.in_syncer
+            target = lab.links[1].far_addr
+        receiver = subprocess.Popen(
+            receive_in([sys.executable, "-c", _RECEIVER]), stdout=subprocess.PIPE, text=True
+        )
+        try:
+            port = receiver.stdout.readline().strip()
+            sender = send_in([sys.executable, "-c", _SENDER, target, port, str(size)])
+            t0 = time.perf_counter()
+            subprocess.run(sender, check=True, timeout=120)
+            got, seconds = receiver.communicate(timeout=120)[0].split()
+        finally:
+            if receiver.poll() is None:
+                receiver.kill()
+                receiver.wait(timeout=30)
+        assert int(got) == size
+        measured_mbit = size * 8 / float(seconds) / 1e6
+        assert measured_mbit == pytest.approx(rate_mbit, rel=0.2), (
+            measured_mbit,
+            time.perf_counter() - t0,
+        )
