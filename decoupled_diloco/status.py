@@ -109,6 +109,8 @@ def main(argv: list[str]) -> None:
         # Shard 0 writes syncer.port, shard s > 0 syncer_s.port (see launch._start_syncers).
         port_files = [port_file, *sorted(workdir.glob("syncer_*.port"), key=_shard_number)]
         address = ",".join(f"127.0.0.1:{f.read_text().strip()}" for f in port_files)
+        if (workdir / "syncer.address").exists():  # not on loopback (`decoupled.wan_mbit`)
+            address = (workdir / "syncer.address").read_text().strip()
     token = pathlib.Path(token_file).read_text().strip() if token_file else ""
     shards = len(parse_addresses(address))  # HOST:PORT,HOST:PORT...: a sharded syncer
     config = SyncerConfig(tls_cert=_TLS_CERT.value, retries=1, rpc_timeout_s=10.0, shards=shards)

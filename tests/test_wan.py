@@ -4,12 +4,14 @@ Real kernel shaping, measured from inside the namespaces; skipped with the reaso
 iproute2 or the `tbf` qdisc is missing. Plus the scaling rule's arithmetic.
 """
 
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
+from decoupled_diloco.chaos import faults
 from decoupled_diloco.local import wan
 from decoupled_diloco.sim.bandwidth import PAPER_12B, Workload, scaled_bandwidth
 
@@ -119,3 +121,41 @@ def test_a_shaped_transfer_runs_at_the_configured_rate(direction):
             measured_mbit,
             time.perf_counter() - t0,
         )
+
+
+def test_without_kernel_shaping_the_links_are_paced_in_process(tmp_path, monkeypatch):
+    # Where the kernel cannot shape (no root, no tbf), the fallback: each learner's control
+    # file caps its link, and its environment points it there.
+    monkeypatch.setattr(wan, "available", lambda *a, **k: (False, "not root (test)"))
+    shaping = wan.shaping_for(2.5, 2, str(tmp_path / "pacer"))
+    assert shaping.kind == "pacer" and "paced in-process at 2.5 Mbit/s" in shaping.line
+    assert "not root (test)" in shaping.line
+    for i in (0, 1):
+        assert faults.Controls(faults.control_path(tmp_path / "pacer", i)).get() == {
+            "bandwidth_mbps": 2.5
+        }
+    assert shaping.env == {faults.DIR_ENV: str(tmp_path / "pacer")}
+    assert shaping.learner(0, ["x"]) == ["x"] and shaping.address([5]) == "127.0.0.1:5"
+    assert wan.shaping_for(0.0, 2, str(tmp_path / "none")).kind == "none"
+
+
+@needs_lab
+@pytest.mark.multiprocess
+def test_a_decoupled_run_behind_the_kernel_limit_trains_and_leaves_nothing(
+    tmp_path, corpus, capsys
+):
+    from decoupled_diloco.train import train_and_evaluate
+    from tests.conftest import tiny_config
+
+    config = tiny_config(
+        mode="decoupled", train_steps=16, **{"decoupled.fragments": 2, "decoupled.wan_mbit": 4.0}
+    )
+    result = train_and_evaluate(config, tmp_path, corpus=corpus)
+    s = result.summary
+    assert s["steps_done"] == 16 and s["outer_syncs"] > 0 and s["bytes_sent"] > 0
+    # The syncer was reached through the lab's links, not loopback.
+    assert not (tmp_path / "syncer.address").read_text().startswith("127.")
+    out = capsys.readouterr().out
+    prefix = re.search(r"network namespace \((dd\w+)\*\)", out).group(1)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in left  # every namespace the run made is gone

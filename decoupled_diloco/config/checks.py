@@ -143,6 +143,25 @@ def _validate_compression(z: CompressionConfig) -> None:
     )
 
 
+def _validate_wan(c: ExperimentConfig) -> None:
+    rate = c.decoupled.wan_mbit
+    _check(rate >= 0, "decoupled.wan_mbit", f"must be >= 0 (0: no limit), got {rate}")
+    if rate > 0:
+        _check(c.mode == "decoupled", "decoupled.wan_mbit", "limits a decoupled run's links")
+        _check(
+            not c.supervisor.standby,
+            "decoupled.wan_mbit",
+            "warm standby spares are not started in the learners' network namespaces; "
+            "set supervisor.standby=0",
+        )
+        _check(
+            not c.monitor.enabled,
+            "decoupled.wan_mbit",
+            "the monitor cannot reach learners inside their network namespaces yet; "
+            "set monitor.enabled=False",
+        )
+
+
 def _validate_monitor(c: ExperimentConfig) -> None:
     m = c.monitor
     _check(0 <= m.port <= 65535, "monitor.port", f"must be in [0, 65535], got {m.port}")
@@ -312,6 +331,7 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
         _validate_model_kind(c)
     _validate_supervisor(c)
     _validate_monitor(c)
+    _validate_wan(c)
     _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", "must be >= 0 (0: evaluate only at the end)")

@@ -298,6 +298,10 @@ class DecoupledConfig:
       island_processes: processes (hosts) per learner island on JAX's multi-controller runtime
         (`jax.distributed`); the launcher starts this many per learner on 127.0.0.1. 1: one
         process per island. See decoupled_diloco/multihost.py.
+      wan_mbit: the local launcher puts each learner in its own network namespace behind a
+        kernel rate limit (`tc tbf`, this many Mbit/s each way; needs root and iproute2, else
+        the learners' links are paced in-process and the launcher says so); 0: no limit.
+        See decoupled_diloco/local/wan.py.
       syncer: the syncer's address, security, transport and timing.
     """
 
@@ -314,6 +318,7 @@ class DecoupledConfig:
     dynamic_local_updates: bool = False
     stale_anchor: str = "learner"
     island_processes: int = 1
+    wan_mbit: float = 0.0
     syncer: SyncerConfig = SyncerConfig()
 
 

@@ -35,6 +35,7 @@ from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.core.compression import ring_allreduce_bytes
 from decoupled_diloco.local import supervisor as supervisor_lib
+from decoupled_diloco.local import wan
 from decoupled_diloco.local.evaluator import GlobalEvaluator
 from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.obs import monitor as monitor_lib
@@ -84,8 +85,9 @@ def syncer_command(
     port: int = 0,
     shard: int = 0,
     checkpoint_dir: pathlib.Path | None = None,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """A syncer shard's command line (loopback; the bound port is written to `port_file`).
+    """A syncer shard's command line (on `host`; the bound port is written to `port_file`).
 
     A fixed `port` lets a restarted syncer come back where its learners look for it; with
     `checkpoint_dir` it commits its state there and resumes from it (`syncer.durability`).
@@ -95,7 +97,7 @@ def syncer_command(
         "-m",
         "decoupled_diloco.syncer",
         f"--config={config_file}",
-        "--host=127.0.0.1",
+        f"--host={host}",
         f"--port={port}",
         f"--port_file={port_file}",
         f"--shard={shard}",
@@ -159,11 +161,12 @@ def _start_syncers(
     port_file: pathlib.Path,
     supervisor: Any,
     procs: Processes,
-) -> tuple[str, dict[str, str]]:
-    """Starts the `syncer.shards` syncer processes; returns their addresses and metrics URLs.
+    shaping: wan.Shaping,
+) -> tuple[list[int], dict[str, str]]:
+    """Starts the `syncer.shards` syncer processes; returns their ports and metrics URLs.
 
-    The addresses come comma-separated; the metrics URLs by process name (`monitor.enabled`;
-    the learners' are added to it as they are started). Each shard gets a fixed free port (a
+    The metrics URLs come by process name (`monitor.enabled`; the learners' are added to it as
+    they are started). Each shard gets a fixed free port (a
     restart comes back on it) and its own directory
     `workdir/checkpoints/syncer_S` (write-ahead log and snapshots, unless
     `decoupled.syncer.durable` is off): a restart loses nothing a learner was told. One shard
@@ -180,11 +183,13 @@ def _start_syncers(
             # in a reused workdir would otherwise come back (with checkpoints, both resume).
             shutil.rmtree(workdir / "checkpoints" / f"syncer_{s}", ignore_errors=True)
         directory = workdir / "checkpoints" / f"syncer_{s}" if durable else None
-        command = syncer_command(config_file, port_files[s], free_port(), s, directory)
+        command = syncer_command(
+            config_file, port_files[s], free_port(), s, directory, shaping.syncer_host
+        )
         name = "syncer" if shards == 1 else f"syncer_{s}"
-        supervisor.add(name, command + metrics_flags(workdir, name, config, metrics_urls))
-    ports = [_wait_for_port(f, procs, timeout_s=180) for f in port_files]
-    return ",".join(f"127.0.0.1:{port}" for port in ports), metrics_urls
+        command += metrics_flags(workdir, name, config, metrics_urls)
+        supervisor.add(name, shaping.syncer(command))
+    return [_wait_for_port(f, procs, timeout_s=180) for f in port_files], metrics_urls
 
 
 def _wait_for_port(port_file: pathlib.Path, procs: Processes, timeout_s: float) -> int:
@@ -273,10 +278,16 @@ def run_decoupled(
     if threading.current_thread() is threading.main_thread():
         # SIGTERM would otherwise end Python without running `finally`: turn it into an exit.
         previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    shaping = wan.Shaping()
     try:
-        address, metrics_urls = _start_syncers(
-            config, config_file, workdir, port_file, supervisor, procs
+        shaping = _shaping(config, workdir, schedule)
+        ports, metrics_urls = _start_syncers(
+            config, config_file, workdir, port_file, supervisor, procs, shaping
         )
+        address = shaping.address(ports)  # where this process (evaluator, status) reaches them
+        (workdir / "syncer.address").unlink(missing_ok=True)
+        if shaping.lab is not None:  # for `status --workdir`: the syncers are not on loopback
+            (workdir / "syncer.address").write_text(address)
         # Owner-only, so that `status --workdir=WORKDIR` can watch this local run.
         fd = os.open(workdir / "run_token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -302,7 +313,8 @@ def run_decoupled(
         for i in range(config.num_learners):
             summaries[i].unlink(missing_ok=True)
             metrics = metrics_flags(workdir, f"learner_{i}", config, metrics_urls)
-            for name, command in island_commands(config, config_file, address, i, summaries[i]):
+            reach = shaping.address(ports, i)
+            for name, command in island_commands(config, config_file, reach, i, summaries[i]):
                 leader = name == f"learner_{i}"
                 # A learner holds only its own credential: it can act as itself, not as others
                 # (and the metrics-only scrape secret its metrics accept: `learner.metrics`).
@@ -310,8 +322,9 @@ def run_decoupled(
                     **supervisor_lib.learner_env(i, leader),
                     wire.TOKEN_ENV: auth.learner_credential(token, i),
                     **({auth.SCRAPE_ENV: auth.scrape_secret(token)} if metrics else {}),
+                    **shaping.env,  # the in-process pacer's controls, if it paces
                 }
-                supervisor.add(name, command + metrics, learners=[i], env=env)
+                supervisor.add(name, shaping.learner(i, command + metrics), learners=[i], env=env)
         client = syncer_client(address, config.decoupled.syncer, token)
         if config.monitor.enabled:
             monitor = _start_monitor(config, address, token, workdir, metrics_urls)
@@ -337,6 +350,7 @@ def run_decoupled(
             injector.halt.set()
         supervisor.stop()
         procs.reap()
+        shaping.close()  # (after the children are gone)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if failed and monitor is not None:  # (after the children are gone: never delays them)
@@ -384,6 +398,29 @@ def run_decoupled(
     if monitor is not None:  # the page stays up (the caller stops it) with the final state
         monitor.note(f"summary: {path}")
     return summary, params, monitor
+
+
+def _shaping(
+    config: config_lib.ExperimentConfig, workdir: pathlib.Path, schedule: Any
+) -> wan.Shaping:
+    """`decoupled.wan_mbit`: each learner behind a kernel rate limit (`local.wan`).
+
+    Where the kernel cannot shape, the learners' links are paced in-process instead, through
+    their control files.
+    """
+    pacer_dir = workdir / "wan_pacer"
+    shutil.rmtree(pacer_dir, ignore_errors=True)
+    shaping = wan.shaping_for(config.decoupled.wan_mbit, config.num_learners, str(pacer_dir))
+    if shaping.kind == "pacer" and schedule is not None:
+        shaping.close()
+        raise config_lib.ConfigError(
+            f"config.decoupled.wan_mbit: without kernel shaping here ({wan.available()[1]}) "
+            "the in-process pacer would share the learners' fault controls with config.chaos; "
+            "run one of them, or run as root with iproute2"
+        )
+    if shaping.line:
+        print(f"[decoupled] {shaping.line}", flush=True)
+    return shaping
 
 
 def _start_monitor(

@@ -31,6 +31,8 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
+from decoupled_diloco.chaos import faults
+
 _PREFIX = "dd"  # every namespace and link this module makes starts with it
 
 
@@ -211,3 +213,75 @@ def _free_blocks(count: int) -> list[ipaddress.IPv4Network]:
                 raise WanError(f"{count} links do not fit one /24 ({len(blocks)} /30 blocks)")
             return blocks[:count]
     raise WanError("no free 10.200-249.X.0/24 for the lab's links")
+
+
+class Shaping:
+    """How the local launcher runs its processes: on loopback, in a `WanLab`, or paced.
+
+    The identity (no limit) unless `decoupled.wan_mbit` > 0: then a lab, or where the kernel
+    cannot shape (`available`), the in-process pacer (`comm.faulty_link`, through each
+    learner's control file) at the same rate. `line` says which, for the launcher's output.
+    """
+
+    def __init__(self, lab: WanLab | None = None, pacer_dir: str = "", rate_mbit: float = 0.0):
+        self.lab, self.pacer_dir, self.rate_mbit = lab, pacer_dir, rate_mbit
+        # A learner's environment: where its link finds its cap (the pacer's control files).
+        self.env = {faults.DIR_ENV: pacer_dir} if pacer_dir else {}
+        if lab is not None:
+            self.kind = "tbf"
+            self.line = (
+                f"WAN: each learner in its own network namespace ({lab.learner_ns[0][:-1]}*) "
+                f"behind tc tbf at {rate_mbit:g} Mbit/s each way"
+            )
+        elif pacer_dir:
+            self.kind = "pacer"
+            self.line = (
+                f"WAN: kernel shaping unavailable ({available()[1]}); the learners' links are "
+                f"paced in-process at {rate_mbit:g} Mbit/s each way instead"
+            )
+        else:
+            self.kind, self.line = "none", ""
+
+    @property
+    def syncer_host(self) -> str:
+        """The interface the syncers bind (all of their own namespace's, in a lab)."""
+        return "0.0.0.0" if self.lab is not None else "127.0.0.1"
+
+    def syncer(self, command: list[str]) -> list[str]:
+        """A syncer's command, run where it belongs."""
+        return self.lab.in_syncer(command) if self.lab is not None else command
+
+    def learner(self, learner: int, command: list[str]) -> list[str]:
+        """A process of learner `learner`'s island, run where it belongs."""
+        return self.lab.in_learner(learner, command) if self.lab is not None else command
+
+    def address(self, ports: Sequence[int], learner: int | None = None) -> str:
+        """The syncer shards' addresses as learner `learner` (None: the launcher) reaches them."""
+        host = "127.0.0.1" if self.lab is None else self.lab.syncer_address(learner)
+        return ",".join(f"{host}:{port}" for port in ports)
+
+    def close(self) -> None:
+        """Removes the lab, if any."""
+        if self.lab is not None:
+            self.lab.close()
+
+
+def shaping_for(rate_mbit: float, num_learners: int, pacer_dir: str) -> Shaping:
+    """The launcher's `Shaping` for `decoupled.wan_mbit` = `rate_mbit` (0: none).
+
+    With the in-process fallback every learner's control file in `pacer_dir` caps its link
+    (`bandwidth_mbps`); the caller points the learners' `DD_CHAOS_DIR` there.
+    """
+    if rate_mbit <= 0:
+        return Shaping()
+    if available()[0]:
+        lab = WanLab(num_learners, rate_mbit)
+        try:
+            lab.build()
+        except BaseException:
+            lab.close()
+            raise
+        return Shaping(lab, rate_mbit=rate_mbit)
+    for i in range(num_learners):
+        faults.write_controls(pacer_dir, i, {"bandwidth_mbps": rate_mbit})
+    return Shaping(pacer_dir=pacer_dir, rate_mbit=rate_mbit)
