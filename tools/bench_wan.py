@@ -48,21 +48,34 @@ def _run(workdir: pathlib.Path, overrides: dict[str, object]) -> dict:
 
 
 def utilisation(summary: dict) -> tuple[float, float]:
-    """(utilisation, utilisation without the final flush) over the learners' training time."""
-    stepping = busy = flush = 0.0
+    """(utilisation, utilisation without the final flush) over the learners' training time.
+
+    Computing = the timelines' `stepping` time less the link's own `blocked_s` (waits for the
+    syncer inside the step loop, which the timeline counts as stepping).
+    """
+    stepping = busy = flush = blocked = 0.0
     for learner in summary["timeline"]["learners"].values():
         by = learner["by_state"]
         stepping += by.get("stepping", 0.0)
         busy += sum(by.get(s, 0.0) for s in _FIRST_STEP_ON)
     for learner in summary["learners"]:
         flush += learner.get("final_flush_s", 0.0)
-    return stepping / max(busy, 1e-9), stepping / max(busy - flush, 1e-9)
+        blocked += learner.get("blocked_s", 0.0)
+    computing = stepping - blocked
+    return computing / max(busy, 1e-9), computing / max(busy - flush, 1e-9)
 
 
 def step_time(summary: dict) -> float:
-    """Mean seconds per inner step of the learners (their training wall time over steps)."""
-    rows = summary["learners"]
-    return sum(x["train_wall_s"] / max(x["steps"], 1) for x in rows) / len(rows)
+    """Seconds per inner step, from the timelines: stepping time less the link's waits.
+
+    Over the steps after the first, which compiles (`compiling` in the timeline).
+    """
+    stepping = sum(
+        x["by_state"].get("stepping", 0.0) for x in summary["timeline"]["learners"].values()
+    )
+    blocked = sum(x.get("blocked_s", 0.0) for x in summary["learners"])
+    steps = sum(max(x["steps"] - 1, 1) for x in summary["learners"])
+    return (stepping - blocked) / steps
 
 
 def dp_planned(params: float, step_s: float, gbps: float, learners: int) -> float:

@@ -81,6 +81,7 @@ class DegradedLink(
         self._rngs: dict[str, random.Random] = {}
         self._lock = threading.Lock()
         self.dropped = {"request": 0, "reply": 0}
+        self._free_at = {"up": 0.0, "down": 0.0}  # when each direction's reserved bytes are sent
 
     def _values(self) -> dict[str, Any]:
         values = self.controls.get()
@@ -102,10 +103,21 @@ class DegradedLink(
             self.dropped[where] += 1
             return where
 
-    def _pace(self, values: dict[str, Any], nbytes: int) -> None:
+    def _pace(self, values: dict[str, Any], nbytes: int, direction: str) -> None:
+        """Waits until `nbytes` more fit the cap: one bucket per direction for all calls.
+
+        Concurrent pushes (or pulls) share the link's rate, as on a real link: each chunk
+        reserves its transfer time after the ones already reserved.
+        """
         rate = float(values.get("bandwidth_mbps", 0.0))
-        if rate > 0:
-            time.sleep(nbytes * 8 / (rate * 1e6))
+        if rate <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            done = max(now, self._free_at[direction]) + nbytes * 8 / (rate * 1e6)
+            self._free_at[direction] = done
+        if done > now:
+            time.sleep(done - now)
 
     def _delay(self, values: dict[str, Any]) -> None:
         latency = float(values.get("latency_s", 0.0))
@@ -135,7 +147,7 @@ class DegradedLink(
 
         def paced() -> Iterator[Any]:
             for chunk in request_iterator:
-                self._pace(values, len(chunk) if isinstance(chunk, bytes | bytearray) else 0)
+                self._pace(values, len(chunk) if isinstance(chunk, bytes | bytearray) else 0, "up")
                 yield chunk
 
         return self._unary_reply(continuation, client_call_details, paced())
@@ -150,7 +162,7 @@ class DegradedLink(
 
         def replies() -> Iterator[Any]:
             for raw in stream:
-                self._pace(values, len(raw) if isinstance(raw, bytes | bytearray) else 0)
+                self._pace(values, len(raw) if isinstance(raw, bytes | bytearray) else 0, "down")
                 yield raw
             self._delay(values)
             if drop == "reply":

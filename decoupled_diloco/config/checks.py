@@ -6,6 +6,7 @@ a bad `--config.X=...` fails before anything is compiled or any process starts.
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 from decoupled_diloco.config.derived import parse_mesh_shapes
@@ -145,8 +146,23 @@ def _validate_compression(z: CompressionConfig) -> None:
 
 def _validate_wan(c: ExperimentConfig) -> None:
     rate = c.decoupled.wan_mbit
-    _check(rate >= 0, "decoupled.wan_mbit", f"must be >= 0 (0: no limit), got {rate}")
+    _check(
+        rate == 0 or (math.isfinite(rate) and rate >= 0.008),
+        "decoupled.wan_mbit",
+        f"must be 0 (no limit) or a finite rate of at least 0.008 Mbit/s, got {rate}",
+    )
     if rate > 0:
+        _check(
+            c.num_learners <= 63,
+            "decoupled.wan_mbit",
+            f"at most 63 learners fit the emulated WAN's addresses, got {c.num_learners}",
+        )
+        _check(
+            not c.decoupled.syncer.tls_cert,
+            "decoupled.wan_mbit",
+            "learners reach the syncer at the emulated links' addresses, which a local TLS "
+            "certificate does not name; set decoupled.syncer.tls_cert=''",
+        )
         _check(c.mode == "decoupled", "decoupled.wan_mbit", "limits a decoupled run's links")
         _check(
             not c.supervisor.standby,

@@ -348,9 +348,11 @@ def run_decoupled(
     finally:
         if injector is not None:
             injector.halt.set()
-        supervisor.stop()
-        procs.reap()
-        shaping.close()  # (after the children are gone)
+        try:
+            supervisor.stop()
+            procs.reap()
+        finally:
+            shaping.close()  # (after the children are gone; even if a signal cut the above)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if failed and monitor is not None:  # (after the children are gone: never delays them)
@@ -414,9 +416,9 @@ def _shaping(
     if shaping.kind == "pacer" and schedule is not None:
         shaping.close()
         raise config_lib.ConfigError(
-            f"config.decoupled.wan_mbit: without kernel shaping here ({wan.available()[1]}) "
-            "the in-process pacer would share the learners' fault controls with config.chaos; "
-            "run one of them, or run as root with iproute2"
+            f"config.decoupled.wan_mbit: {shaping.line}; but the in-process pacer would share "
+            "the learners' fault controls with config.chaos: run one of them, or run where the "
+            "kernel can shape (root, iproute2)"
         )
     if shaping.line:
         print(f"[decoupled] {shaping.line}", flush=True)

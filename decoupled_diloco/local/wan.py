@@ -49,19 +49,26 @@ def available(ip: str = "ip", tc: str = "tc") -> tuple[bool, str]:
             return False, f"{tool!r} not found (apt-get install iproute2)"
     probe = f"{_PREFIX}probe{secrets.token_hex(2)}"
     try:
-        _run([ip, "link", "add", probe, "type", "veth", "peer", "name", probe + "p"])
+        _run([ip, "netns", "add", probe])  # (refused in containers without CAP_SYS_ADMIN)
         try:
-            _run([tc, "qdisc", "add", "dev", probe, "root", "tbf", "rate", "1mbit",
-                  "burst", "32kb", "latency", "50ms"])  # fmt: skip
+            _run([ip, "netns", "exec", probe, ip, "link", "add", probe, "type", "veth",
+                  "peer", "name", probe + "p"])  # fmt: skip
+            _run([ip, "netns", "exec", probe, tc, "qdisc", "add", "dev", probe, "root",
+                  *tbf_args(1.0)])  # fmt: skip
         finally:
-            _run([ip, "link", "del", probe], check=False)
+            _run([ip, "netns", "del", probe], check=False)  # (its links go with it)
     except WanError as error:
         return False, f"cannot shape a link here: {error}"
     return True, ""
 
 
 def _run(command: Sequence[str], check: bool = True) -> str:
-    done = subprocess.run(list(command), capture_output=True, text=True, timeout=30)
+    try:
+        done = subprocess.run(list(command), capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        if not check:
+            return ""
+        raise WanError(f"`{' '.join(command)}` did not finish within 30 s") from None
     if check and done.returncode != 0:
         raise WanError(f"`{' '.join(command)}` failed: {done.stderr.strip() or done.stdout}")
     return done.stdout
@@ -193,7 +200,11 @@ class WanLab:
 
 
 def _free_blocks(count: int) -> list[ipaddress.IPv4Network]:
-    """`count` /30 blocks of one 10.X.Y.0/24 that no address or route of this host overlaps."""
+    """`count` /30 blocks of one 10.X.Y.0/24 that no address or specific route here overlaps.
+
+    Routes shorter than /16 (a 10.0.0.0/8 towards a VPN, say) are not counted: a lab's own
+    connected /30 is more specific, and only the root link's block lives in this namespace.
+    """
     used = []
     for line in _run(["ip", "-o", "-4", "addr", "show"], check=False).splitlines():
         for word in line.split():
@@ -202,7 +213,9 @@ def _free_blocks(count: int) -> list[ipaddress.IPv4Network]:
     for line in _run(["ip", "-4", "route", "show", "table", "all"], check=False).splitlines():
         word = line.split()[0] if line.split() else ""
         if word and word[0].isdigit():
-            used.append(ipaddress.ip_network(word if "/" in word else f"{word}/32", strict=False))
+            route = ipaddress.ip_network(word if "/" in word else f"{word}/32", strict=False)
+            if route.prefixlen >= 16:
+                used.append(route)
     for _ in range(64):
         base = ipaddress.ip_network(
             f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(256)}.0/24"
@@ -223,21 +236,23 @@ class Shaping:
     learner's control file) at the same rate. `line` says which, for the launcher's output.
     """
 
-    def __init__(self, lab: WanLab | None = None, pacer_dir: str = "", rate_mbit: float = 0.0):
+    def __init__(
+        self, lab: WanLab | None = None, pacer_dir: str = "", rate_mbit: float = 0.0, why: str = ""
+    ):
         self.lab, self.pacer_dir, self.rate_mbit = lab, pacer_dir, rate_mbit
         # A learner's environment: where its link finds its cap (the pacer's control files).
         self.env = {faults.DIR_ENV: pacer_dir} if pacer_dir else {}
         if lab is not None:
             self.kind = "tbf"
             self.line = (
-                f"WAN: each learner in its own network namespace ({lab.learner_ns[0][:-1]}*) "
+                f"WAN: each learner in its own network namespace ({_PREFIX}{lab.tag}*) "
                 f"behind tc tbf at {rate_mbit:g} Mbit/s each way"
             )
         elif pacer_dir:
             self.kind = "pacer"
             self.line = (
-                f"WAN: kernel shaping unavailable ({available()[1]}); the learners' links are "
-                f"paced in-process at {rate_mbit:g} Mbit/s each way instead"
+                f"WAN: kernel shaping unavailable ({why}); the learners' links are paced "
+                f"in-process at {rate_mbit:g} Mbit/s each way instead"
             )
         else:
             self.kind, self.line = "none", ""
@@ -274,14 +289,18 @@ def shaping_for(rate_mbit: float, num_learners: int, pacer_dir: str) -> Shaping:
     """
     if rate_mbit <= 0:
         return Shaping()
-    if available()[0]:
+    ok, why = available()
+    if ok:
         lab = WanLab(num_learners, rate_mbit)
         try:
             lab.build()
+            return Shaping(lab, rate_mbit=rate_mbit)
+        except WanError as error:  # e.g. no free block of addresses: pace instead, say why
+            lab.close()
+            why = str(error)
         except BaseException:
             lab.close()
             raise
-        return Shaping(lab, rate_mbit=rate_mbit)
     for i in range(num_learners):
         faults.write_controls(pacer_dir, i, {"bandwidth_mbps": rate_mbit})
-    return Shaping(pacer_dir=pacer_dir, rate_mbit=rate_mbit)
+    return Shaping(pacer_dir=pacer_dir, rate_mbit=rate_mbit, why=why)

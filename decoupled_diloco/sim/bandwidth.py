@@ -246,9 +246,10 @@ def scaled_bandwidth(bandwidth_bps: float, source: Workload, target: Workload) -
     Equal bits per value on both sides (the link is what is scaled; an encoding is then
     compared on equal terms): B_target = B · (N_t / N_s) · (H_s · s_s) / (H_t · s_t).
     """
-    for name, value in (("bandwidth_bps", bandwidth_bps), ("target.params", target.params)):
-        _positive(name, value)
-    _positive("target.step_time_s", target.step_time_s)
+    _positive("bandwidth_bps", bandwidth_bps)
+    for side, w in (("source", source), ("target", target)):
+        for field in ("params", "inner_steps", "step_time_s"):
+            _positive(f"{side}.{field}", getattr(w, field))
     ratio = (target.params / source.params) * (
         source.inner_steps * source.step_time_s / (target.inner_steps * target.step_time_s)
     )
