@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m tools.bench_wan", *given])  # as run, to run it again
     ok, why = wan.available()
     shaping = "tbf" if ok else f"pacer ({why})"
     # e3m0 both ways (the merged fragments come back as differences from the learner's copy,
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"scaled {gbps:g} Gbit/s", mbit, _run(root / f"{gbps:g}gbps", limited)))
     lines = [
         "## WAN: decoupled training behind kernel rate limits\n",
-        f"`python -m tools.bench_wan{' --quick' if args.quick else ''}` "
+        f"`{command}` "
         f"({time.strftime('%Y-%m-%d %H:%M')}, {time.time() - t0:.0f} s): {CONFIG}, "
         f"{args.learners} learners, {args.steps} steps, e3m0, "
         f"P = 4, H = {free['inner_steps']}; {params / 1e6:.2f}M parameters; step time "
