@@ -21,22 +21,15 @@ import pathlib
 import time
 from typing import Any
 
+from decoupled_diloco.obs import timeline_plot
 from decoupled_diloco.obs.watch import MergeRate, goodput_text
 
 MAX_POINTS = 400  # loss points kept per learner: older ones are thinned, never all dropped
 MAX_SPANS = 2000  # state changes kept per learner
-COLORS = {  # as `obs.timeline_plot` draws them
-    "starting": "#b0b0b0",
-    "restoring": "#8c6bb1",
-    "waiting": "#fdd0a2",
-    "compiling": "#6baed6",
-    "stepping": "#31a354",
-    "training": "#31a354",
-    "blocked": "#fd8d3c",
-    "checkpointing": "#3182bd",
-    "evaluating": "#9e9ac8",
-    "paused": "#fb6a4a",
-    "down": "#252525",
+# The timeline's colours (`obs.timeline_plot`), and the states heartbeats report.
+COLORS = {
+    **timeline_plot.COLORS,
+    "training": timeline_plot.COLORS["stepping"],
     "registered": "#c6dbef",
     "done": "#dddddd",
 }
