@@ -71,16 +71,27 @@ def test_lab_builds_links_and_removes_everything_even_on_an_error():
     lab = wan.WanLab(2, rate_mbit=50.0)
     with pytest.raises(RuntimeError, match="inside"), lab:
         spaces, links = lab.made()
-        assert sorted(spaces) == sorted([lab.syncer_ns, *lab.learner_ns])
+        assert sorted(spaces) == sorted([lab.syncer_ns, *lab.site_ns])
         assert len(links) == 1  # the root namespace holds only the launcher's end
         qdisc = subprocess.run(
-            ["ip", "netns", "exec", lab.learner_ns[0], "tc", "qdisc", "show"],
+            ["ip", "netns", "exec", lab.site_ns[0], "tc", "qdisc", "show"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         assert "tbf" in qdisc and "rate 50Mbit" in qdisc
         # A learner reaches the syncer's namespace; the root namespace reaches it too.
-        _transfer(lab.in_syncer, lambda c: lab.in_learner(1, c), lab.syncer_address(1), 1000)
+        _transfer(lab.in_syncer, lambda c: lab.in_site(1, c), lab.syncer_address(1), 1000)
         _transfer(lab.in_syncer, lambda c: c, lab.syncer_address(), 1000)
+        # Sites reach each other through the syncer's namespace (over both shaped links).
+        _transfer(lambda c: lab.in_site(0, c), lambda c: lab.in_site(1, c), lab.site_address(0),
+                  50_000)  # fmt: skip
+        up, down = lab.sent_bytes(1)
+        assert up >= 51_000 and down > 0  # the kernel's count: site 1 sent both transfers
+        assert lab.sent_bytes(0)[1] >= 50_000  # ... and the second one reached site 0
+        # A site can have its own hostname: its address (gloo finds its own address by it).
+        named = lab.in_site(1, ["hostname"], own_hostname=True)
+        assert subprocess.run(
+            named, capture_output=True, text=True, check=True
+        ).stdout.strip() == lab.site_address(1)
         raise RuntimeError("an error inside the lab")
     assert lab.made() == ([], [])
 
@@ -109,14 +120,40 @@ def test_a_shaped_transfer_runs_at_the_configured_rate(direction):
     rate_mbit, size = 8.0, 3_000_000  # ~3 s at the rate; the 64 KiB bucket is 2% of it
     with wan.WanLab(1, rate_mbit=rate_mbit) as lab:
         # up: learner -> syncer (pushes); down: syncer -> learner (pulls).
-        receive_in, send_in = (lab.in_syncer, lambda c: lab.in_learner(0, c))
+        receive_in, send_in = (lab.in_syncer, lambda c: lab.in_site(0, c))
         target = lab.syncer_address(0)
         if direction == "down":
-            receive_in, send_in = (lambda c: lab.in_learner(0, c)), lab.in_syncer
+            receive_in, send_in = (lambda c: lab.in_site(0, c)), lab.in_syncer
             target = lab.links[1].far_addr
         _, seconds = _transfer(receive_in, send_in, target, size)
         measured_mbit = size * 8 / seconds / 1e6
         assert measured_mbit == pytest.approx(rate_mbit, rel=0.2), measured_mbit
+
+
+@needs_lab
+def test_an_island_spanning_sites_puts_each_process_in_a_site_of_its_own():
+    with wan.WanLab(4, rate_mbit=None) as lab:
+        shaping = wan.Shaping(lab, rate_mbit=5.0, island_processes=2, per_process=True)
+        assert "each island process" in shaping.line
+        # Learner 1's processes 0 and 1 are sites 2 and 3; its coordinator is at site 2.
+        assert shaping.learner(1, ["x"], 1)[:4] == ["ip", "netns", "exec", lab.site_ns[3]]
+        assert "unshare" in shaping.learner(1, ["x"], 1)  # (own hostname, for gloo)
+        assert shaping.coordinator_host(1) == lab.site_address(2)
+        assert shaping.address([7], 1, 1) == f"{lab.syncer_address(3)}:7"
+        per_learner = wan.Shaping(lab, rate_mbit=5.0, island_processes=2)
+        assert per_learner.learner(1, ["x"], 1)[:4] == ["ip", "netns", "exec", lab.site_ns[1]]
+        assert per_learner.coordinator_host(1) == "127.0.0.1"
+
+
+def test_wan_sites_are_checked_and_an_island_spanning_sites_is_never_paced(tmp_path, monkeypatch):
+    from decoupled_diloco import config as config_lib
+
+    with pytest.raises(config_lib.ConfigError, match="decoupled.wan_sites"):
+        config_lib.replace(config_lib.ExperimentConfig(mode="decoupled"),
+                           **{"decoupled.wan_sites": "rack"})  # fmt: skip
+    monkeypatch.setattr(wan, "available", lambda *a, **k: (False, "not root (test)"))
+    with pytest.raises(wan.WanError, match="cannot slow the island's own collectives"):
+        wan.shaping_for(2.5, 1, str(tmp_path / "pacer"), island_processes=2, per_process=True)
 
 
 def test_without_kernel_shaping_the_links_are_paced_in_process(tmp_path, monkeypatch):
@@ -179,3 +216,25 @@ def test_the_in_process_pacer_shares_one_budget_among_concurrent_calls(tmp_path)
     up = link._free_at["up"]
     link._pace(values, chunk, "down")  # the other direction has its own budget
     assert link._free_at["up"] == up and link._free_at["down"] > 0
+
+
+@needs_lab
+@pytest.mark.multiprocess
+def test_dp_across_sites_sends_its_gradients_over_the_shaped_links(tmp_path, corpus, capsys):
+    # One island of 2 processes, each in a site of its own: data-parallel over the WAN.
+    from decoupled_diloco.train import train_and_evaluate
+    from tests.conftest import tiny_config
+
+    steps = 12
+    config = tiny_config(
+        mode="decoupled", num_learners=1, train_steps=steps, inner_steps=steps,
+        **{"mesh.shape": (2, 1), "decoupled.island_processes": 2, "decoupled.fragments": 1,
+           "decoupled.wan_sites": "process", "decoupled.wan_mbit": 20.0, "eval.every": 0},
+    )  # fmt: skip
+    s = train_and_evaluate(config, tmp_path, corpus=corpus).summary
+    assert s["steps_done"] == steps and s["wan"]["shaping"] == "tbf"
+    assert "each island process in its own network namespace" in capsys.readouterr().out
+    # Site 1 never talks to the syncer (only the leader does): what its link carried is the
+    # island's own collectives, at least one float32 gradient each way per step.
+    site1 = s["wan"]["sites"][1]
+    assert min(site1["up_bytes"], site1["down_bytes"]) >= steps * s["params"] * 4

@@ -1,50 +1,115 @@
 r"""`python -m tools.bench_wan --out=benchmarks/results/wan.md [--quick]`: training over WAN links.
 
-Each decoupled run puts every learner in its own network namespace behind a kernel rate limit
-(`decoupled.wan_mbit`, `decoupled_diloco.local.wan`; the in-process pacer where the kernel
-cannot shape, and the table says which). The limits are the paper's 12B run over 5, 2, 1 and
-0.5 Gbit/s scaled to this model by the ratio of communication to computation
-(`sim.bandwidth.scaled_bandwidth`, with `PAPER_12B`'s assumptions): the step time is measured
-by the unlimited run first. Compute utilisation is stepping time over the learners' time from
-their first step on (stepping, blocked, checkpointing; start-up, compiling and the initial wait
-excluded), from the timelines; "without the final flush" leaves out the blocked time after the
-last step, which a long run amortises.
+Every run puts each site (a learner, or for `dp` each process of its island) in its own network
+namespace behind a kernel rate limit (`decoupled.wan_mbit`, `decoupled_diloco.local.wan`; the
+in-process pacer where the kernel cannot shape, and the table says which). The limits are the
+paper's 12B run over 5, 2, 1 and 0.5 Gbit/s scaled to this model by the ratio of communication
+to computation (`sim.bandwidth.scaled_bandwidth`, with `PAPER_12B`'s assumptions); this model's
+step time is measured by the first, unlimited run. The settings, M learners (sites) each:
 
-`dp` has no network in this framework (its M learners all-reduce inside one XLA program), so
-its column is the planner's (`tools/plan_bandwidth`: a ring all-reduce of float32 gradients
-every step, up to 2/3 of a step hidden behind the backward pass) at the measured step time: a
-prediction, labelled as one.
+- `decoupled <scheme> P=<P>`: decoupled DiLoCo as configured (τ = H/5, merges applied on
+  arrival); int8 and e3m0 compress both ways (`compression.downlink`), none sends float32.
+- `diloco`: synchronous DiLoCo through the syncer: one fragment, quorum M, τ = 0 (every
+  learner waits at each sync for the round's merge of all M), float32 both ways.
+- `dp`: one island data-parallel over M processes, one per site: its gradient all-reduce (XLA's
+  gloo collectives on CPU) crosses the links every step (`decoupled.wan_sites="process"`; outer
+  SGD at lr 1 without momentum, one sync at the end: exactly data-parallel training).
 
-`--quick`: only the scaled 2 Gbit/s and unlimited decoupled e3m0 P=4 runs (e3m0 pushes and
-pulls: `compression.downlink`); it ends with
-`scaled 2 Gbit/s: decoupled utilisation U, dp utilisation V (planned), shaping tbf|pacer`.
+Utilisation: for decoupled and diloco, stepping time (less the link's waits inside the step
+loop, `blocked_s`) over the learners' time from their first step on (stepping, blocked,
+checkpointing), from the timelines; "without final flush" leaves out the waits after the last
+step, which a long run amortises. For dp the wait is inside XLA's step, so utilisation is the
+unlimited run's step time over the limited one's. A dp step behind a scaled link takes minutes,
+so limited dp runs time a few steps (`_dp_steps`); their loss is the unlimited run's (dp's math
+does not depend on the link). "Link load" is the busiest site's busier direction, in bytes the
+kernel counted, over the run's wall time.
+
+`--quick`: only decoupled e3m0 P=4 and dp, unlimited and at the scaled 2 Gbit/s (dp's unlimited
+run times 20 steps); it ends with `scaled 2 Gbit/s: decoupled utilisation U, dp utilisation V,
+shaping tbf|pacer`. Runs are reused when their workdir holds the very same config
+(`local.runs`), so a sweep can be extended with `--settings`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import math
 import pathlib
-import subprocess
 import sys
 import time
 
-from decoupled_diloco.local import wan
+from decoupled_diloco.local import runs, wan
 from decoupled_diloco.sim import bandwidth
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = "experiments/configs/tiny_lm_decoupled.py"
 SCALED_GBPS = (5.0, 2.0, 1.0, 0.5)
+QUICK_DP_STEPS = 20
 _FIRST_STEP_ON = ("stepping", "blocked", "checkpointing", "paused")
+# Bits per value on the wire: the scheme's code plus its float32 scale per 256-value block.
+_BITS = {"none": 32.0, "int8": 8.125, "e3m0": 4.125}
 
 
-def _run(workdir: pathlib.Path, overrides: dict[str, object]) -> dict:
-    """One run of `CONFIG` with `overrides`; its summary."""
-    command = [sys.executable, "-m", "experiments.train", f"--config={CONFIG}", "--hints=False"]
-    command += [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
-    print("[bench_wan]", " ".join(command[1:]), flush=True)
-    subprocess.run(command, cwd=ROOT, check=True)
-    return json.loads((workdir / "summary.json").read_text())
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One line of the sweep: a mode, its overrides of `CONFIG`, and the planner's view of it."""
+
+    name: str
+    kind: str  # "decoupled", "diloco" or "dp"
+    scheme: str = "none"
+    fragments: int = 1
+
+    def overrides(self, learners: int, steps: int, batch: int) -> dict[str, object]:
+        """`--config.KEY=VALUE` for `learners` sites, `steps` steps, `batch` per site."""
+        base: dict[str, object] = {"num_learners": learners, "train_steps": steps}
+        if self.kind == "decoupled":
+            down = self.scheme != "none"
+            return {**base, "compression.scheme": self.scheme, "compression.downlink": down,
+                    "decoupled.fragments": self.fragments}  # fmt: skip
+        if self.kind == "diloco":
+            return {**base, "decoupled.fragments": 1, "decoupled.quorum": learners,
+                    "decoupled.overlap_steps": 0, "decoupled.apply_on_arrival": False,
+                    "decoupled.partial_merge": "mean"}  # fmt: skip
+        return {  # dp: one island over `learners` sites, the same total batch
+            **base, "num_learners": 1, "inner_steps": steps, "decoupled.fragments": 1,
+            "decoupled.island_processes": learners, "decoupled.wan_sites": "process",
+            "mesh.shape": (learners, 1), "data.batch_size": batch * learners,
+            "outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False,
+            "outer.merge": "mean",
+        }  # fmt: skip
+
+    def planned(self, w: bandwidth.Workload, learners: int, gbps: float) -> float:
+        """The planner's utilisation (`sim.bandwidth.utilisation`) for this setting."""
+        if gbps <= 0:
+            return 1.0
+        common = {"params": w.params, "step_time_s": w.step_time_s, "num_learners": learners}
+        if self.kind == "dp":
+            plan = bandwidth.LinkPlan(**common, inner_steps=1, fragments=1, overlap_steps=0,
+                                      dp_bits=32, topology="allreduce")  # fmt: skip
+            return bandwidth.utilisation(plan, "dp", gbps)
+        if self.kind == "diloco":
+            plan = bandwidth.LinkPlan(**common, inner_steps=w.inner_steps, fragments=1,
+                                      overlap_steps=0, dp_bits=32, topology="syncer")  # fmt: skip
+            return bandwidth.utilisation(plan, "diloco", gbps)
+        bits = _BITS[self.scheme]
+        plan = bandwidth.LinkPlan(
+            **common, inner_steps=w.inner_steps, fragments=self.fragments,
+            overlap_steps=w.inner_steps // 5, bits=bits, down_bits=bits, topology="syncer",
+        )  # fmt: skip
+        return bandwidth.utilisation(plan, "streaming", gbps)
+
+
+SETTINGS = [
+    *(
+        Setting(f"decoupled {s} P={p}", "decoupled", s, p)
+        for s in ("e3m0", "int8", "none")
+        for p in (4, 1)
+    ),  # fmt: skip
+    Setting("diloco", "diloco"),
+    Setting("dp", "dp"),
+]
+QUICK = ("decoupled e3m0 P=4", "dp")
 
 
 def utilisation(summary: dict) -> tuple[float, float]:
@@ -65,103 +130,170 @@ def utilisation(summary: dict) -> tuple[float, float]:
     return computing / max(busy, 1e-9), computing / max(busy - flush, 1e-9)
 
 
-def step_time(summary: dict) -> float:
+def step_time(summary: dict, net_of_waits: bool = True) -> float:
     """Seconds per inner step, from the timelines: stepping time less the link's waits.
 
-    Over the steps after the first, which compiles (`compiling` in the timeline).
+    Over the steps after the first, which compiles (`compiling` in the timeline). A dp island
+    spanning sites (`net_of_waits=False`) waits inside its steps for collectives (the gradient
+    all-reduce, and the leader's per-step broadcast that `blocked_s` counts), so all of its
+    stepping time is its step time.
     """
     stepping = sum(
         x["by_state"].get("stepping", 0.0) for x in summary["timeline"]["learners"].values()
     )
-    blocked = sum(x.get("blocked_s", 0.0) for x in summary["learners"])
+    blocked = sum(x.get("blocked_s", 0.0) for x in summary["learners"]) if net_of_waits else 0.0
     steps = sum(max(x["steps"] - 1, 1) for x in summary["learners"])
     return (stepping - blocked) / steps
 
 
-def dp_planned(params: float, step_s: float, gbps: float, learners: int) -> float:
-    """The planner's dp utilisation: a float32 ring all-reduce every step."""
-    plan = bandwidth.LinkPlan(
-        params=params, step_time_s=step_s, inner_steps=1, fragments=1, overlap_steps=0,
-        bits=32, dp_bits=32, num_learners=learners, topology="allreduce",
-    )  # fmt: skip
-    return bandwidth.utilisation(plan, "dp", gbps)
+def link_load_mbit(summary: dict) -> float:
+    """The busiest site's busier direction over the run's wall time (Mbit/s); 0 unshaped."""
+    sites = summary.get("wan", {}).get("sites", [])
+    busiest = max((max(s["up_bytes"], s["down_bytes"]) for s in sites), default=0)
+    return busiest * 8 / 1e6 / max(summary["wall_s"], 1e-9)
 
 
-def decoupled_planned(params: float, step_s: float, gbps: float, inner_steps: int) -> float:
-    """The planner's streaming utilisation: 4-bit fragments (e3m0), P = 4, τ = H // 5."""
-    plan = bandwidth.LinkPlan(
-        params=params, step_time_s=step_s, inner_steps=inner_steps, fragments=4,
-        overlap_steps=inner_steps // 5, bits=4, topology="syncer",
-    )  # fmt: skip
-    return bandwidth.utilisation(plan, "streaming", gbps)
+def _workload(ref: bandwidth.Workload, setting: Setting, free: dict) -> bandwidth.Workload:
+    """What the planner predicts `setting` from: its own unlimited run's step time (and H)."""
+    if setting.kind == "dp":
+        return dataclasses.replace(ref, step_time_s=step_time(free, net_of_waits=False))
+    return dataclasses.replace(ref, step_time_s=step_time(free), inner_steps=free["inner_steps"])
+
+
+def _dp_steps(setting: Setting, w: bandwidth.Workload, learners: int, gbps: float) -> int:
+    """Steps a limited dp run takes: the compiling one plus ~2 minutes of planned steps (>= 1)."""
+    per_step = w.step_time_s / setting.planned(w, learners, gbps)
+    return 1 + max(1, min(10, math.floor(120 / per_step)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "wan.md"))
     parser.add_argument("--quick", action="store_true", help="the scaled 2 Gbit/s only")
+    parser.add_argument("--settings", default="", help="comma-separated names (default: all)")
     parser.add_argument("--workdir", default="runs/bench_wan")
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
-    command = " ".join(["python -m tools.bench_wan", *given])  # as run, to run it again
+    shown = " ".join(["python -m tools.bench_wan", *given])  # as run, to run it again
+    chosen = [x for x in args.settings.split(",") if x] or (QUICK if args.quick else [])
+    settings = [s for s in SETTINGS if not chosen or s.name in chosen]
+    if chosen and len(settings) != len(chosen):
+        sys.exit(f"unknown settings in {chosen}; known: {[s.name for s in SETTINGS]}")
     ok, why = wan.available()
     shaping = "tbf" if ok else f"pacer ({why})"
-    # e3m0 both ways (the merged fragments come back as differences from the learner's copy,
-    # `compression.downlink`), as the paper's link carries 4-bit values each way.
-    base = {
-        "num_learners": args.learners, "train_steps": args.steps, "compression.scheme": "e3m0",
-        "compression.downlink": True, "decoupled.fragments": 4,
-    }  # fmt: skip
-    root = pathlib.Path(args.workdir)
+    root, batch = pathlib.Path(args.workdir), runs.resolve(CONFIG).data.batch_size
+    gbps_list = (2.0,) if args.quick else SCALED_GBPS
     t0 = time.time()
-    free = _run(root / "unlimited", base)
-    params = free["params"]
-    step_s = step_time(free)
-    tiny = bandwidth.Workload(params, free["inner_steps"], step_s)
-    rows = [("unlimited", 0.0, free)]
-    for gbps in (2.0,) if args.quick else SCALED_GBPS:
-        mbit = bandwidth.scaled_bandwidth(gbps * 1e9, bandwidth.PAPER_12B, tiny) / 1e6
-        limited = {**base, "decoupled.wan_mbit": round(mbit, 4)}
-        rows.append((f"scaled {gbps:g} Gbit/s", mbit, _run(root / f"{gbps:g}gbps", limited)))
-    lines = [
-        "## WAN: decoupled training behind kernel rate limits\n",
-        f"`{command}` "
-        f"({time.strftime('%Y-%m-%d %H:%M')}, {time.time() - t0:.0f} s): {CONFIG}, "
-        f"{args.learners} learners, {args.steps} steps, e3m0, "
-        f"P = 4, H = {free['inner_steps']}; {params / 1e6:.2f}M parameters; step time "
-        f"{step_s * 1e3:.0f} ms (unlimited run); shaping: {shaping}. The paper's side "
-        "(`sim.bandwidth.PAPER_12B`): 12e9 parameters, H = 100 (Table 4's; assumed), 1 s steps "
-        "(assumed, between Table 4's 10B and 100B).\n",
-        "| link | rate here (Mbit/s) | utilisation | without final flush | planned | stall max "
-        "| final eval loss | vs unlimited | MB sent | dp utilisation (planned) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    base_loss = free["final_eval_loss"]
-    for name, mbit, s in rows:
-        u, u_noflush = utilisation(s)
-        dp = dp_planned(params, step_s, mbit / 1e3, args.learners) if mbit else 1.0
-        h = free["inner_steps"]
-        planned = decoupled_planned(params, step_s, mbit / 1e3, h) if mbit else 1.0
-        lines.append(
-            f"| {name} | {mbit:.3f} | {u:.3f} | {u_noflush:.3f} | {planned:.3f} | "
-            f"{s['stall_fraction_max']:.4f} | "
-            f"{s['final_eval_loss']:.4f} | {s['final_eval_loss'] / base_loss:.4f} | "
-            f"{s['bytes_sent'] / 1e6:.1f} | {dp:.3f} |"
-        )
-    text = "\n".join(lines) + "\n"
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(text)
+
+    def run(setting: Setting, tag: str, steps: int, mbit: float = 0.0) -> dict:
+        overrides = setting.overrides(args.learners, steps, batch)
+        if mbit:
+            overrides["decoupled.wan_mbit"] = round(mbit, 4)
+        if setting.kind == "dp" and mbit:  # (the one sync at the end: 8x fewer bytes)
+            overrides["compression.scheme"] = "e3m0"
+        workdir = root / setting.name.replace(" ", "_").replace("=", "") / tag
+        return runs.run_or_reuse(CONFIG, overrides, workdir, tag="bench_wan")
+
+    # The links' rates come from this model's own decoupled run (unlimited): its N, H, step time.
+    ref = run(SETTINGS[0], "unlimited", args.steps)
+    workload = bandwidth.Workload(ref["params"], ref["inner_steps"], step_time(ref))
+    rows = []  # (setting, link name, gbps, mbit, summary, utilisation, without flush, planned)
+    for setting in settings:
+        free_steps = QUICK_DP_STEPS if args.quick and setting.kind == "dp" else args.steps
+        free = run(setting, "unlimited", free_steps)
+        w = _workload(workload, setting, free)
+        # (dp's utilisation is relative to its own unlimited run: 1 there by definition)
+        u_free = (1.0, 1.0) if setting.kind == "dp" else utilisation(free)
+        rows.append((setting, "unlimited", 0.0, 0.0, free, *u_free, 1.0))
+        for gbps in gbps_list:
+            mbit = bandwidth.scaled_bandwidth(gbps * 1e9, bandwidth.PAPER_12B, workload) / 1e6
+            if setting.kind == "dp":
+                s = run(setting, f"{gbps:g}gbps", _dp_steps(setting, w, args.learners, mbit / 1e3),
+                        mbit)  # fmt: skip
+                u = u_noflush = w.step_time_s / step_time(s, net_of_waits=False)
+            else:
+                s = run(setting, f"{gbps:g}gbps", args.steps, mbit)
+                u, u_noflush = utilisation(s)
+            planned = setting.planned(w, args.learners, mbit / 1e3)
+            rows.append((setting, f"scaled {gbps:g} Gbit/s", gbps, mbit, s, u, u_noflush, planned))
+
+    text = _table(rows, shown, time.time() - t0, args, workload, shaping)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _plot(rows, args.learners, workload, out.with_suffix(".png"))
+    out.write_text(text + f"\n![utilisation vs bandwidth]({out.with_suffix('.png').name})\n")
     print(text)
-    two = next(s for name, _, s in rows if name == "scaled 2 Gbit/s")
-    mbit2 = next(m for name, m, _ in rows if name == "scaled 2 Gbit/s")
-    print(
-        f"scaled 2 Gbit/s: decoupled utilisation {utilisation(two)[0]:.3f}, dp utilisation "
-        f"{dp_planned(params, step_s, mbit2 / 1e3, args.learners):.3f} (planned), shaping "
-        f"{'tbf' if ok else 'pacer'}"
-    )
+    if args.quick or {"decoupled e3m0 P=4", "dp"} <= {s.name for s in settings}:
+        two = {r[0].name: r[5] for r in rows if r[2] == 2.0}
+        print(
+            f"scaled 2 Gbit/s: decoupled utilisation {two['decoupled e3m0 P=4']:.3f}, "
+            f"dp utilisation {two['dp']:.3f}, shaping {'tbf' if ok else 'pacer'}"
+        )
     return 0
+
+
+def _table(rows, shown, seconds, args, workload, shaping) -> str:
+    lines = [
+        "## WAN: training behind kernel rate limits\n",
+        f"`{shown}` ({time.strftime('%Y-%m-%d %H:%M')}, {seconds:.0f} s): {CONFIG}, "
+        f"{args.learners} sites, {args.steps} steps (equal tokens; limited dp runs time fewer, "
+        f"see below); {workload.params / 1e6:.2f}M parameters; step time "
+        f"{workload.step_time_s * 1e3:.0f} ms, H = {workload.inner_steps} (the first unlimited "
+        f"run); shaping: {shaping}. The paper's side (`sim.bandwidth.PAPER_12B`): 12e9 "
+        "parameters, H = 100 (Table 4's; assumed), 1 s steps (assumed, between Table 4's 10B "
+        "and 100B). Each row's command is in its workdir's `summary.json` (`command`).\n",
+        "| setting | link | rate here (Mbit/s) | utilisation | without final flush | planned "
+        "| planned − measured (points) | stall max | goodput | wall (s) | final eval loss "
+        "| vs unlimited | MB sent | link load (Mbit/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = {}
+    for setting, link, _, mbit, s, u, u_noflush, planned in rows:
+        loss = s["final_eval_loss"]
+        if link == "unlimited":
+            base[setting.name] = loss
+        timed = setting.kind == "dp" and link != "unlimited"
+        loss_cell = f"= unlimited ({s['train_steps']} steps timed)" if timed else f"{loss:.4f}"
+        ratio = "—" if timed else f"{loss / base[setting.name]:.4f}"
+        lines.append(
+            f"| {setting.name} | {link} | {mbit:.3f} | {u:.3f} | {u_noflush:.3f} | {planned:.3f} "
+            f"| {100 * (planned - u):+.1f} | {s['stall_fraction_max']:.4f} | "
+            f"{s.get('goodput', float('nan')):.3f} | {s['wall_s']:.0f} | {loss_cell} | {ratio} | "
+            f"{s['bytes_sent'] / 1e6:.1f} | {link_load_mbit(s):.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows, learners: int, workload, path: pathlib.Path) -> None:
+    """Utilisation vs the paper-side bandwidth: the planner's curve and the measured points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    grid = [0.3 * 1.05**i for i in range(60)]
+    names = list(dict.fromkeys(r[0].name for r in rows))
+    for i, name in enumerate(names):
+        setting = next(r[0] for r in rows if r[0].name == name)
+        w = _workload(workload, setting, next(r[4] for r in rows if r[0] is setting))
+        scale = bandwidth.scaled_bandwidth(1e9, bandwidth.PAPER_12B, workload) / 1e9
+        color = f"C{i}"
+        ax.plot(grid, [setting.planned(w, learners, g * scale) for g in grid], color=color,
+                lw=1, alpha=0.7)  # fmt: skip
+        points = [(r[2], r[5]) for r in rows if r[0].name == name and r[2] > 0]
+        ax.plot(*zip(*points, strict=True), "o", color=color, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("paper-side bandwidth (Gbit/s, scaled to this model)")
+    ax.set_ylabel("compute utilisation")
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_title("measured (points) vs planned (lines)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -151,11 +151,18 @@ def _validate_wan(c: ExperimentConfig) -> None:
         "decoupled.wan_mbit",
         f"must be 0 (no limit) or a finite rate of at least 0.008 Mbit/s, got {rate}",
     )
+    sites = c.decoupled.wan_sites
+    _check(
+        sites in ("learner", "process"),
+        "decoupled.wan_sites",
+        f'must be "learner" or "process", got {sites!r}',
+    )
     if rate > 0:
+        spread = c.num_learners * (c.decoupled.island_processes if sites == "process" else 1)
         _check(
-            c.num_learners <= 63,
+            spread <= 63,
             "decoupled.wan_mbit",
-            f"at most 63 learners fit the emulated WAN's addresses, got {c.num_learners}",
+            f"at most 63 sites fit the emulated WAN's addresses, got {spread}",
         )
         _check(
             not c.decoupled.syncer.tls_cert,

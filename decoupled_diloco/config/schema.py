@@ -302,6 +302,10 @@ class DecoupledConfig:
         kernel rate limit (`tc tbf`, this many Mbit/s each way; needs root and iproute2, else
         the learners' links are paced in-process and the launcher says so); 0: no limit.
         See decoupled_diloco/local/wan.py.
+      wan_sites: with `wan_mbit`, what one namespace (one site, one data centre) holds:
+        "learner" (a whole island; the WAN lies between islands) or "process" (each process of
+        a multi-process island: the island spans sites and its own collectives cross the
+        links, as data-parallel training across data centres does).
       syncer: the syncer's address, security, transport and timing.
     """
 
@@ -319,6 +323,7 @@ class DecoupledConfig:
     stale_anchor: str = "learner"
     island_processes: int = 1
     wan_mbit: float = 0.0
+    wan_sites: str = "learner"
     syncer: SyncerConfig = SyncerConfig()
 
 

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -124,25 +125,29 @@ def learner_command(
 def island_commands(
     config: config_lib.ExperimentConfig,
     config_file: pathlib.Path,
-    address: str,
+    address: str | Sequence[str],
     learner_id: int,
     summary: pathlib.Path,
+    coordinator_host: str = "127.0.0.1",
 ) -> list[tuple[str, list[str]]]:
     """(name, command) of each process of learner `learner_id`'s island.
 
     One process (`learner_I`) unless `decoupled.island_processes` > 1: then P processes form
     one JAX runtime (`multihost`) with process 0 (`learner_I`, the leader) as coordinator on a
-    free loopback port; the others are `learner_I_pJ` and write `learner_I_pJ.json`.
+    free port of `coordinator_host`; the others are `learner_I_pJ` and write
+    `learner_I_pJ.json`. `address` is the syncer's, or one per process (each from its site).
     """
-    base = learner_command(config_file, address, learner_id, summary)
     num = config.decoupled.island_processes
+    addresses = [address] * num if isinstance(address, str) else list(address)
     if num == 1:
-        return [(f"learner_{learner_id}", base)]
+        command = learner_command(config_file, addresses[0], learner_id, summary)
+        return [(f"learner_{learner_id}", command)]
 
-    coordinator = f"127.0.0.1:{free_port()}"
+    coordinator = f"{coordinator_host}:{free_port()}"
     out = []
     for j in range(num):
         name = f"learner_{learner_id}" + (f"_p{j}" if j else "")
+        base = learner_command(config_file, addresses[j], learner_id, summary)
         command = [x for x in base if not x.startswith("--summary=")]
         command += [
             f"--summary={summary.with_name(name + '.json')}",
@@ -313,9 +318,12 @@ def run_decoupled(
         for i in range(config.num_learners):
             summaries[i].unlink(missing_ok=True)
             metrics = metrics_flags(workdir, f"learner_{i}", config, metrics_urls)
-            reach = shaping.address(ports, i)
-            for name, command in island_commands(config, config_file, reach, i, summaries[i]):
-                leader = name == f"learner_{i}"
+            reach = [shaping.address(ports, i, j) for j in range(config.decoupled.island_processes)]
+            island = island_commands(
+                config, config_file, reach, i, summaries[i], shaping.coordinator_host(i)
+            )
+            for j, (name, command) in enumerate(island):
+                leader = j == 0
                 # A learner holds only its own credential: it can act as itself, not as others
                 # (and the metrics-only scrape secret its metrics accept: `learner.metrics`).
                 env = {
@@ -324,7 +332,8 @@ def run_decoupled(
                     **({auth.SCRAPE_ENV: auth.scrape_secret(token)} if metrics else {}),
                     **shaping.env,  # the in-process pacer's controls, if it paces
                 }
-                supervisor.add(name, shaping.learner(i, command + metrics), learners=[i], env=env)
+                command = shaping.learner(i, command + metrics, j)
+                supervisor.add(name, command, learners=[i], env=env)
         client = syncer_client(address, config.decoupled.syncer, token)
         if config.monitor.enabled:
             monitor = _start_monitor(config, address, token, workdir, metrics_urls)
@@ -352,7 +361,10 @@ def run_decoupled(
             supervisor.stop()
             procs.reap()
         finally:
-            shaping.close()  # (after the children are gone; even if a signal cut the above)
+            try:
+                links = {} if failed else shaping.report()  # (the kernel's counts, then gone)
+            finally:
+                shaping.close()  # (after the children are gone; even if a signal cut the above)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if failed and monitor is not None:  # (after the children are gone: never delays them)
@@ -387,6 +399,7 @@ def run_decoupled(
         # Goodput, uptime, faults and recoveries (see `timeline` for the definitions).
         **supervisor_lib.chaos_summary(workdir, events, t_end=time.time()),
         "max_staleness": status.get("max_staleness", 0),
+        **({"wan": links} if links else {}),  # `decoupled.wan_mbit`: what each link carried
         "config": dataclasses.asdict(config),
     }
     try:
@@ -412,7 +425,14 @@ def _shaping(
     """
     pacer_dir = workdir / "wan_pacer"
     shutil.rmtree(pacer_dir, ignore_errors=True)
-    shaping = wan.shaping_for(config.decoupled.wan_mbit, config.num_learners, str(pacer_dir))
+    d = config.decoupled
+    try:
+        shaping = wan.shaping_for(
+            d.wan_mbit, config.num_learners, str(pacer_dir), d.island_processes,
+            per_process=d.wan_sites == "process",
+        )  # fmt: skip
+    except wan.WanError as error:
+        raise config_lib.ConfigError(f"config.decoupled.wan_sites: {error}") from None
     if shaping.kind == "pacer" and schedule is not None:
         shaping.close()
         raise config_lib.ConfigError(

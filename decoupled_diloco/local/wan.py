@@ -1,14 +1,20 @@
 """A wide-area network on one machine: learners in their own network namespaces behind `tc tbf`.
 
-`WanLab(num_learners, rate_mbit)` builds, and removes on exit whatever happens:
+`WanLab(num_sites, rate_mbit)` builds, and removes on exit whatever happens:
 
-  root namespace ── veth (unshaped) ── syncer namespace ──┬─ veth, tbf both ways ── learner 0
-   (launcher, status)                   (the syncer)      ├─ veth, tbf both ways ── learner 1
+  root namespace ── veth (unshaped) ── syncer namespace ──┬─ veth, tbf both ways ── site 0
+   (launcher, status)                   (the syncer)      ├─ veth, tbf both ways ── site 1
                                                           └─ ...
+
+A site is one data centre: a learner island (all its processes), or with
+`decoupled.wan_sites="process"` one process of an island that spans sites (data-parallel over
+the WAN: its collectives cross the links). Sites reach each other through the syncer's
+namespace, which forwards between its links, so site-to-site traffic is shaped on both links.
 
 Each link is a private /30 of `10.X.Y.0` that this lab picked and checked is unused; the syncer
 binds 0.0.0.0 inside its own namespace (where only the lab's links exist). A learner reaches
-the syncer at its link's syncer-side address; the launcher at the root link's. The kernel shapes
+the syncer at its link's syncer-side address, another site at that site's address
+(`site_address`); the launcher reaches the syncer at the root link's. The kernel shapes
 every byte both ways (`tbf` on each end's egress), so pushes and pulls alike see the rate.
 Needs root, `ip` and `tc` (iproute2; `apt-get install iproute2`) and the `sch_tbf` qdisc;
 `available()` says whether they are there and why not, so a caller can fall back to the
@@ -17,8 +23,8 @@ on these machines): latency comes from the link-latency fault.
 
   with WanLab(4, rate_mbit=20) as lab:
       syncer = lab.in_syncer(["python", "-m", "decoupled_diloco.syncer", "--host=0.0.0.0", ...])
-      learner = lab.in_learner(0, ["python", "-m", "decoupled_diloco.learner",
-                                   f"--syncer={lab.syncer_address(0)}:PORT", ...])
+      learner = lab.in_site(0, ["python", "-m", "decoupled_diloco.learner",
+                                f"--syncer={lab.syncer_address(0)}:PORT", ...])
 """
 
 from __future__ import annotations
@@ -98,21 +104,21 @@ class Link:
 
 
 class WanLab:
-    """Network namespaces for a syncer and `num_learners` learners, linked through `tbf`.
+    """Network namespaces for a syncer and `num_sites` sites, linked through `tbf`.
 
     Args:
-      num_learners: learner namespaces to make.
-      rate_mbit: the rate of every learner's link, each way (None: unshaped links).
+      num_sites: site namespaces to make (one per learner, or per island process).
+      rate_mbit: the rate of every site's link, each way (None: unshaped links).
       ip, tc: the iproute2 tools.
     """
 
-    def __init__(self, num_learners: int, rate_mbit: float | None, ip: str = "ip", tc: str = "tc"):
-        self.num_learners, self.rate_mbit, self.ip, self.tc = num_learners, rate_mbit, ip, tc
+    def __init__(self, num_sites: int, rate_mbit: float | None, ip: str = "ip", tc: str = "tc"):
+        self.num_sites, self.rate_mbit, self.ip, self.tc = num_sites, rate_mbit, ip, tc
         tag = secrets.token_hex(2)
         self.tag = tag
         self.syncer_ns = f"{_PREFIX}{tag}s"
-        self.learner_ns = [f"{_PREFIX}{tag}l{i}" for i in range(num_learners)]
-        self.links: list[Link] = []  # [root link, learner 0's, learner 1's, ...] once built
+        self.site_ns = [f"{_PREFIX}{tag}l{i}" for i in range(num_sites)]
+        self.links: list[Link] = []  # [root link, site 0's, site 1's, ...] once built
         self._made_ns: list[str] = []
         self._made_links: list[tuple[str | None, str]] = []
 
@@ -131,13 +137,18 @@ class WanLab:
 
     def build(self) -> None:
         """Makes the namespaces, links, addresses and qdiscs."""
-        blocks = _free_blocks(self.num_learners + 1)
+        blocks = _free_blocks(self.num_sites + 1)
         self._namespace(self.syncer_ns)
+        # The syncer's namespace routes between the sites (and nowhere else: it has no other
+        # links, and the root namespace's forwarding is left as it is).
+        self._in(self.syncer_ns, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         root = self._link("r", None, self.syncer_ns, blocks[0])
         self.links.append(root)
-        for i, ns in enumerate(self.learner_ns):
+        for i, ns in enumerate(self.site_ns):
             self._namespace(ns)
             link = self._link(f"l{i}", self.syncer_ns, ns, blocks[i + 1])
+            self._in(ns, [self.ip, "route", "add", str(blocks[0].supernet(new_prefix=24)),
+                          "via", link.near_addr])  # fmt: skip
             if self.rate_mbit is not None:
                 for end, where in ((link.near, link.near_ns), (link.far, link.far_ns)):
                     self._in(where, [self.tc, "qdisc", "add", "dev", end, "root",
@@ -181,14 +192,42 @@ class WanLab:
         """`command` run inside the syncer's namespace."""
         return [self.ip, "netns", "exec", self.syncer_ns, *command]
 
-    def in_learner(self, learner: int, command: Sequence[str]) -> list[str]:
-        """`command` run inside learner `learner`'s namespace."""
-        return [self.ip, "netns", "exec", self.learner_ns[learner], *command]
+    def in_site(self, site: int, command: Sequence[str], own_hostname: bool = False) -> list[str]:
+        """`command` run inside site `site`'s namespace.
 
-    def syncer_address(self, learner: int | None = None) -> str:
-        """Where learner `learner` (None: the root namespace, the launcher) reaches the syncer."""
-        link = self.links[0] if learner is None else self.links[learner + 1]
-        return link.far_addr if learner is None else link.near_addr
+        With `own_hostname`, also in a UTS namespace of its own whose hostname is the site's
+        address: a program that finds its own address from its hostname (gloo, the CPU
+        collectives of a JAX program spanning sites) then advertises one its peers can reach.
+        """
+        command = list(command)
+        if own_hostname:
+            set_name = f'hostname {self.site_address(site)} && exec "$0" "$@"'
+            command = ["unshare", "--uts", "sh", "-c", set_name, *command]
+        return [self.ip, "netns", "exec", self.site_ns[site], *command]
+
+    def syncer_address(self, site: int | None = None) -> str:
+        """Where site `site` (None: the root namespace, the launcher) reaches the syncer."""
+        link = self.links[0] if site is None else self.links[site + 1]
+        return link.far_addr if site is None else link.near_addr
+
+    def site_address(self, site: int) -> str:
+        """Site `site`'s own address, where the syncer and the other sites reach it."""
+        return self.links[site + 1].far_addr
+
+    def sent_bytes(self, site: int) -> tuple[int, int]:
+        """(up, down): bytes site `site`'s link has carried towards the syncer and back.
+
+        The kernel's own count (`tc -s`, the `tbf` of each end; headers included); -1 where a
+        qdisc is missing (an unshaped lab).
+        """
+        link = self.links[site + 1]
+        out = []
+        for end, where in ((link.far, link.far_ns), (link.near, link.near_ns)):
+            text = self._in(where, [self.tc, "-s", "qdisc", "show", "dev", end], check=False)
+            words = text.split()
+            sent = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "Sent"]
+            out.append(int(sent[0]) if "tbf" in words and sent else -1)
+        return out[0], out[1]
 
     def made(self) -> tuple[list[str], list[str]]:
         """(namespaces, root-namespace links) of this lab that exist now (tests, clean-up)."""
@@ -234,18 +273,29 @@ class Shaping:
     The identity (no limit) unless `decoupled.wan_mbit` > 0: then a lab, or where the kernel
     cannot shape (`available`), the in-process pacer (`comm.faulty_link`, through each
     learner's control file) at the same rate. `line` says which, for the launcher's output.
+    With `per_process` (`decoupled.wan_sites="process"`), every process of an island of
+    `island_processes` is a site of its own.
     """
 
     def __init__(
-        self, lab: WanLab | None = None, pacer_dir: str = "", rate_mbit: float = 0.0, why: str = ""
+        self,
+        lab: WanLab | None = None,
+        pacer_dir: str = "",
+        rate_mbit: float = 0.0,
+        why: str = "",
+        island_processes: int = 1,
+        per_process: bool = False,
     ):
         self.lab, self.pacer_dir, self.rate_mbit = lab, pacer_dir, rate_mbit
+        self.island_processes = island_processes
+        self.per_process = per_process and lab is not None and island_processes > 1
         # A learner's environment: where its link finds its cap (the pacer's control files).
         self.env = {faults.DIR_ENV: pacer_dir} if pacer_dir else {}
         if lab is not None:
             self.kind = "tbf"
+            who = "each island process" if self.per_process else "each learner"
             self.line = (
-                f"WAN: each learner in its own network namespace ({_PREFIX}{lab.tag}*) "
+                f"WAN: {who} in its own network namespace ({_PREFIX}{lab.tag}*) "
                 f"behind tc tbf at {rate_mbit:g} Mbit/s each way"
             )
         elif pacer_dir:
@@ -257,6 +307,9 @@ class Shaping:
         else:
             self.kind, self.line = "none", ""
 
+    def _site(self, learner: int, process: int) -> int:
+        return learner * self.island_processes + process if self.per_process else learner
+
     @property
     def syncer_host(self) -> str:
         """The interface the syncers bind (all of their own namespace's, in a lab)."""
@@ -266,14 +319,37 @@ class Shaping:
         """A syncer's command, run where it belongs."""
         return self.lab.in_syncer(command) if self.lab is not None else command
 
-    def learner(self, learner: int, command: list[str]) -> list[str]:
-        """A process of learner `learner`'s island, run where it belongs."""
-        return self.lab.in_learner(learner, command) if self.lab is not None else command
+    def learner(self, learner: int, command: list[str], process: int = 0) -> list[str]:
+        """Process `process` of learner `learner`'s island, run where it belongs."""
+        if self.lab is None:
+            return command
+        return self.lab.in_site(self._site(learner, process), command, self.per_process)
 
-    def address(self, ports: Sequence[int], learner: int | None = None) -> str:
-        """The syncer shards' addresses as learner `learner` (None: the launcher) reaches them."""
-        host = "127.0.0.1" if self.lab is None else self.lab.syncer_address(learner)
+    def coordinator_host(self, learner: int) -> str:
+        """Where the processes of learner `learner`'s island reach its coordinator (process 0)."""
+        if not self.per_process:
+            return "127.0.0.1"  # (the island's processes share one namespace)
+        return self.lab.site_address(self._site(learner, 0))
+
+    def address(self, ports: Sequence[int], learner: int | None = None, process: int = 0) -> str:
+        """The syncer shards' addresses as a learner's process (None: the launcher) reaches them."""
+        if self.lab is None:
+            host = "127.0.0.1"
+        else:
+            host = self.lab.syncer_address(
+                None if learner is None else self._site(learner, process)
+            )
         return ",".join(f"{host}:{port}" for port in ports)
+
+    def report(self) -> dict:
+        """What the links carried, for the run's summary (`wan`): the kernel's byte counts."""
+        if self.kind == "none":
+            return {}
+        out: dict = {"shaping": self.kind, "rate_mbit": self.rate_mbit}
+        if self.lab is not None:
+            sites = [self.lab.sent_bytes(i) for i in range(self.lab.num_sites)]
+            out["sites"] = [{"up_bytes": up, "down_bytes": down} for up, down in sites]
+        return out
 
     def close(self) -> None:
         """Removes the lab, if any."""
@@ -281,26 +357,47 @@ class Shaping:
             self.lab.close()
 
 
-def shaping_for(rate_mbit: float, num_learners: int, pacer_dir: str) -> Shaping:
+def shaping_for(
+    rate_mbit: float,
+    num_learners: int,
+    pacer_dir: str,
+    island_processes: int = 1,
+    per_process: bool = False,
+) -> Shaping:
     """The launcher's `Shaping` for `decoupled.wan_mbit` = `rate_mbit` (0: none).
 
     With the in-process fallback every learner's control file in `pacer_dir` caps its link
-    (`bandwidth_mbps`); the caller points the learners' `DD_CHAOS_DIR` there.
+    (`bandwidth_mbps`); the caller points the learners' `DD_CHAOS_DIR` there. With
+    `per_process` (sites per island process) there is no fallback: the pacer cannot slow an
+    island's own collectives.
+
+    Raises:
+      WanError: `per_process` where the kernel cannot shape (the reason in the message).
     """
     if rate_mbit <= 0:
         return Shaping()
+    per_process = per_process and island_processes > 1
+    sites = num_learners * island_processes if per_process else num_learners
     ok, why = available()
     if ok:
-        lab = WanLab(num_learners, rate_mbit)
+        lab = WanLab(sites, rate_mbit)
         try:
             lab.build()
-            return Shaping(lab, rate_mbit=rate_mbit)
+            return Shaping(lab, rate_mbit=rate_mbit, island_processes=island_processes,
+                           per_process=per_process)  # fmt: skip
         except WanError as error:  # e.g. no free block of addresses: pace instead, say why
             lab.close()
+            if per_process:
+                raise
             why = str(error)
         except BaseException:
             lab.close()
             raise
+    if per_process:
+        raise WanError(
+            f"an island spanning sites needs kernel shaping ({why}): the in-process pacer "
+            "cannot slow the island's own collectives"
+        )
     for i in range(num_learners):
         faults.write_controls(pacer_dir, i, {"bandwidth_mbps": rate_mbit})
     return Shaping(pacer_dir=pacer_dir, rate_mbit=rate_mbit, why=why)

@@ -20,7 +20,9 @@ The model (a closed form, not a simulation) and every assumption it makes:
   part of the transfer that the backward pass does not hide:
   `wall = t + max(0, c - backward_fraction * t)`.
 * `diloco`: every H steps the whole model's outer gradient at `dp_bits`, hidden only by one
-  backward pass (no overlap across steps).
+  backward pass (no overlap across steps). Through a syncer the merge needs every learner's
+  push before any pull can start, so up and down follow each other: `n * 2 * dp_bits` (measured
+  behind kernel rate limits, benchmarks/results/wan.md; the duplex sum ignored half of it).
 * `streaming` (Streaming DiLoCo / this framework's decoupled mode): P fragments of N/P parameters,
   each synced every H steps at staggered offsets, at `bits` (4 = FP4/int4 outer gradients). A
   fragment's transfer may run for `tau` further steps plus one backward pass before the learner
@@ -141,6 +143,8 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
     h = args.inner_steps
     if mode == "diloco":
         c = _transfer_s(args, args.params, args.dp_bits, gbps)
+        if args.topology == "syncer":  # the push, the merge, then the pull: one after the other
+            c = 2 * args.latency_s + args.params * 2 * args.dp_bits / (gbps * 1e9)
         return h * t / (h * t + max(0.0, c - hide))
     if mode == "streaming":
         p = args.fragments
