@@ -238,3 +238,49 @@ def test_dp_across_sites_sends_its_gradients_over_the_shaped_links(tmp_path, cor
     # island's own collectives, at least one float32 gradient each way per step.
     site1 = s["wan"]["sites"][1]
     assert min(site1["up_bytes"], site1["down_bytes"]) >= steps * s["params"] * 4
+
+
+def test_a_transfer_longer_than_the_rpc_deadline_arrives_and_a_stalled_one_is_cut(tmp_path):
+    # A fragment that takes ~3 s on a slow link, with 1 s RPC deadlines: it moves all the
+    # time, so it arrives (each way); a link too slow to move one chunk in 1 s is cut, retryably.
+    import grpc
+
+    from decoupled_diloco.comm import faulty_link, retry
+    from decoupled_diloco.comm.client import Stalled, SyncerClient
+    from decoupled_diloco.syncer.server import SyncerServer
+    from tests.conftest import tiny_config
+
+    config = tiny_config(mode="decoupled", **{
+        "decoupled.fragments": 2, "decoupled.syncer.rpc_timeout_s": 1.0,
+        "decoupled.syncer.chunk_bytes": 4096, "decoupled.syncer.max_grace_s": 0.0,
+    })  # fmt: skip
+    server = SyncerServer(config, host="127.0.0.1", port=0, token="t").start()
+    faults.write_controls(tmp_path, 0, {"bandwidth_mbps": 0.1})
+    link = faulty_link.DegradedLink(faults.Controls(faults.control_path(tmp_path, 0)), 0)
+    client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, "t", link=link)
+    try:
+        client.register(0, server.fingerprint)
+        fragment = server.state.fragments[0]
+        nbytes = sum(v.nbytes for v in fragment.values)
+        assert nbytes * 8 / 0.1e6 > 2.0  # longer than the deadline, twice over
+        t0 = time.monotonic()
+        reply = client.push(
+            learner_id=0, fragment=0, round=0, base_version=0, steps=4, tokens=1024,
+            specs=fragment.specs, arrays=[v * 0 for v in fragment.values], retries=0,
+        )  # fmt: skip
+        assert reply.accepted and time.monotonic() - t0 > 2.0
+        t0 = time.monotonic()
+        version, values = client.pull(0, 0, 0, wait_s=0.0, retries=0)
+        assert version >= 0 and sum(v.nbytes for v in values) == nbytes
+        assert time.monotonic() - t0 > 2.0
+        faults.write_controls(tmp_path, 0, {"bandwidth_mbps": 0.005})  # 6.5 s per chunk
+        t0 = time.monotonic()
+        with pytest.raises(Stalled, match="pull of fragment 0: nothing moved for 1 s") as cut:
+            client.pull(0, 0, 0, wait_s=0.0, retries=0)
+        # (cut after 1 s; the in-process pacer's sleep for the chunk ends first, the kernel's
+        # link would not hold the call that long)
+        assert time.monotonic() - t0 < 12.0 and retry.retryable(cut.value)
+        assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        client.close()
+        server.stop(0)

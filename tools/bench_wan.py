@@ -178,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     shown = " ".join(["python -m tools.bench_wan", *given])  # as run, to run it again
     chosen = [x for x in args.settings.split(",") if x] or (QUICK if args.quick else [])
-    settings = [s for s in SETTINGS if not chosen or s.name in chosen]
-    if chosen and len(settings) != len(chosen):
-        sys.exit(f"unknown settings in {chosen}; known: {[s.name for s in SETTINGS]}")
+    known = {s.name: s for s in SETTINGS}
+    if set(chosen) - set(known):
+        sys.exit(f"unknown settings in {chosen}; known: {list(known)}")
+    settings = [known[name] for name in chosen] if chosen else SETTINGS  # (in the order given)
     ok, why = wan.available()
     shaping = "tbf" if ok else f"pacer ({why})"
     root, batch = pathlib.Path(args.workdir), runs.resolve(CONFIG).data.batch_size
@@ -286,6 +287,8 @@ def _plot(rows, learners: int, workload, path: pathlib.Path) -> None:
         points = [(r[2], r[5]) for r in rows if r[0].name == name and r[2] > 0]
         ax.plot(*zip(*points, strict=True), "o", color=color, label=name)
     ax.set_xscale("log")
+    ax.set_xticks(SCALED_GBPS, [f"{g:g}" for g in SCALED_GBPS])
+    ax.minorticks_off()
     ax.set_xlabel("paper-side bandwidth (Gbit/s, scaled to this model)")
     ax.set_ylabel("compute utilisation")
     ax.set_ylim(-0.02, 1.05)

@@ -1,9 +1,16 @@
-"""The learner-side client of the syncer: deadlines, retries with backoff, chunked streams."""
+"""The learner-side client of the syncer: deadlines, retries with backoff, chunked streams.
+
+Control calls have fixed deadlines. A push or pull has none as a whole: it may take as long as
+its bytes need on a slow link, and is cut once it moves nothing for `rpc_timeout_s` (a pull's
+first chunk may also wait `wait_s` for the merge), as the syncer cuts its idle streams. So a
+fragment that takes minutes to cross a WAN link arrives, and a stalled transfer still ends.
+"""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -20,6 +27,59 @@ from decoupled_diloco.core import host
 from decoupled_diloco.core.fragments import TensorSpec
 
 T = TypeVar("T")
+
+
+class Stalled(grpc.RpcError):
+    """A push or pull that moved nothing for too long; retried like a deadline."""
+
+    def __init__(self, what: str, idle_s: float):
+        super().__init__(f"{what}: nothing moved for {idle_s:g} s")
+        self._details = f"{what}: nothing moved for {idle_s:g} s (cut by the client)"
+
+    def code(self) -> grpc.StatusCode:
+        """DEADLINE_EXCEEDED: retried (`comm.retry`)."""
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        """What stalled, and for how long."""
+        return self._details
+
+
+class _Watch:
+    """Cancels a streaming call once it has moved nothing for `idle_s` (`first_s` more at first).
+
+    `guard(call)` starts watching; `moved()` on every chunk; `close()` when the call is over.
+    """
+
+    def __init__(self, idle_s: float, first_s: float = 0.0):
+        self.idle_s, self._limit, self._last = idle_s, idle_s + first_s, time.monotonic()
+        self.stalled, self._done = False, threading.Event()
+
+    def guard(self, call: Any) -> None:
+        if hasattr(call, "cancel"):  # (a stream some interceptor wrapped may have none)
+            threading.Thread(target=self._run, args=(call,), daemon=True, name="dd-watch").start()
+
+    def moved(self) -> None:
+        self._last, self._limit = time.monotonic(), self.idle_s
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _run(self, call: Any) -> None:
+        while not self._done.wait(min(1.0, self.idle_s / 4)):
+            if time.monotonic() - self._last > self._limit:
+                self.stalled = True
+                call.cancel()
+                return
+
+
+def transfer_deadline_s(nbytes: int, config: SyncerConfig, wait_s: float = 0.0) -> float:
+    """The most a push or pull of `nbytes` may take: `rpc_timeout_s` for each of its chunks.
+
+    The backstop behind `_Watch` (a chunk that takes longer is cut by both).
+    """
+    chunks = -(-max(nbytes, 1) // config.chunk_bytes)
+    return wait_s + config.rpc_timeout_s * (1 + chunks)
 
 
 class SyncerClient:
@@ -177,13 +237,31 @@ class SyncerClient:
         )
         sent = [0]
         stream = self.push_chunks(header, arrays, sent)
+        idle_s = self.config.rpc_timeout_s
+
+        deadline = transfer_deadline_s(header.total_bytes, self.config)
+
+        def call() -> pb.PushReply:
+            watch = _Watch(idle_s)
+
+            def watched() -> Iterator[bytes]:
+                for chunk in stream():  # (gRPC asks for the next once the last one is sent)
+                    watch.moved()
+                    yield chunk
+
+            try:
+                future = self._push.future(watched(), timeout=deadline, metadata=self.metadata)
+                watch.guard(future)
+                return future.result()
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                if watch.stalled:
+                    raise Stalled(f"push of fragment {fragment}", idle_s) from None
+                raise
+            finally:
+                watch.close()
+
         try:
-            return self._call(
-                lambda: self._push(
-                    stream(), timeout=self.config.rpc_timeout_s, metadata=self.metadata
-                ),
-                retries,
-            )
+            return self._call(call, retries)
         finally:
             self._local.last = sent[0]
 
@@ -211,11 +289,28 @@ class SyncerClient:
             have_version=have[0] if have is not None else 0,
         )
 
+        idle_s = self.config.rpc_timeout_s
+
+        # Without a copy its size is not known here: the watch alone bounds it.
+        known = sum(np.asarray(a).nbytes for a in have[1]) if have is not None else 0
+        deadline = transfer_deadline_s(known, self.config, wait_s) if known else None
+
         def call() -> tuple[int, list[np.ndarray]]:
-            stream = self._pull(
-                request, timeout=wait_s + self.config.rpc_timeout_s, metadata=self.metadata
-            )
+            watch = _Watch(idle_s, first_s=wait_s)
+            try:
+                stream = self._pull(request, timeout=deadline, metadata=self.metadata)
+                watch.guard(stream)
+                return receive(stream, watch)
+            except grpc.RpcError:
+                if watch.stalled:
+                    raise Stalled(f"pull of fragment {fragment}", idle_s) from None
+                raise
+            finally:
+                watch.close()
+
+        def receive(stream: Any, watch: _Watch) -> tuple[int, list[np.ndarray]]:
             raw = next(stream)
+            watch.moved()
             self._count(received=len(raw))
             first = pb.FragmentChunk.FromString(raw)
             if first.version < 0:
@@ -240,6 +335,7 @@ class SyncerClient:
                 raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
             payload[:at] = first.data
             for raw in stream:
+                watch.moved()
                 self._count(received=len(raw))
                 view = wire.parse_data_chunk(wire.PULL_DATA_TAG, raw)
                 data = view if view is not None else pb.FragmentChunk.FromString(raw).data

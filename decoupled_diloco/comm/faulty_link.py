@@ -168,4 +168,21 @@ class DegradedLink(
             if drop == "reply":
                 raise DroppedCall("reply")
 
-        return replies()
+        return _Replies(replies(), stream)
+
+
+class _Replies:
+    """A paced reply stream that can still be cancelled (the client cuts a stalled pull)."""
+
+    def __init__(self, replies: Iterator[Any], call: Any):
+        self._replies, self._call = replies, call
+
+    def __iter__(self) -> _Replies:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._replies)
+
+    def cancel(self) -> bool:
+        """Cancels the underlying call."""
+        return self._call.cancel()
