@@ -68,7 +68,7 @@ def test_tbf_bucket_holds_a_segmentation_offloaded_packet():
 
 @needs_lab
 def test_lab_builds_links_and_removes_everything_even_on_an_error():
-    lab = wan.WanLab(2, rate_mbit=50.0)
+    lab = wan.WanLab(2, rate_mbit=50.0, routed=True)
     with pytest.raises(RuntimeError, match="inside"), lab:
         spaces, links = lab.made()
         assert sorted(spaces) == sorted([lab.syncer_ns, *lab.site_ns])
@@ -84,6 +84,11 @@ def test_lab_builds_links_and_removes_everything_even_on_an_error():
         # Sites reach each other through the syncer's namespace (over both shaped links).
         _transfer(lambda c: lab.in_site(0, c), lambda c: lab.in_site(1, c), lab.site_address(0),
                   50_000)  # fmt: skip
+        # ... but never the root namespace (which has no route back).
+        probe = f"import socket; socket.create_connection(({lab.links[0].near_addr!r}, 9), 5)"
+        cut = subprocess.run(lab.in_site(0, [sys.executable, "-c", probe]), capture_output=True,
+                             text=True)  # fmt: skip
+        assert cut.returncode != 0 and "Permission denied" in cut.stderr, cut.stderr
         up, down = lab.sent_bytes(1)
         assert up >= 51_000 and down > 0  # the kernel's count: site 1 sent both transfers
         assert lab.sent_bytes(0)[1] >= 50_000  # ... and the second one reached site 0
@@ -148,9 +153,15 @@ def test_an_island_spanning_sites_puts_each_process_in_a_site_of_its_own():
 def test_wan_sites_are_checked_and_an_island_spanning_sites_is_never_paced(tmp_path, monkeypatch):
     from decoupled_diloco import config as config_lib
 
+    base = config_lib.ExperimentConfig(mode="decoupled")
     with pytest.raises(config_lib.ConfigError, match="decoupled.wan_sites"):
-        config_lib.replace(config_lib.ExperimentConfig(mode="decoupled"),
-                           **{"decoupled.wan_sites": "rack"})  # fmt: skip
+        config_lib.replace(base, **{"decoupled.wan_sites": "rack"})
+    with pytest.raises(config_lib.ConfigError, match="island_processes > 1"):
+        config_lib.replace(base, **{"decoupled.wan_sites": "process", "decoupled.wan_mbit": 5.0})
+    # A chunk must cross the link well within the streams' idle cut: named, with what fits.
+    with pytest.raises(config_lib.ConfigError, match=r"chunk_bytes.*use at most 281250 bytes"):
+        config_lib.replace(base, **{"decoupled.wan_mbit": 0.15})
+    config_lib.replace(base, **{"decoupled.wan_mbit": 0.15, "decoupled.syncer.chunk_bytes": 65536})
     monkeypatch.setattr(wan, "available", lambda *a, **k: (False, "not root (test)"))
     with pytest.raises(wan.WanError, match="cannot slow the island's own collectives"):
         wan.shaping_for(2.5, 1, str(tmp_path / "pacer"), island_processes=2, per_process=True)
@@ -281,6 +292,17 @@ def test_a_transfer_longer_than_the_rpc_deadline_arrives_and_a_stalled_one_is_cu
         # link would not hold the call that long)
         assert time.monotonic() - t0 < 12.0 and retry.retryable(cut.value)
         assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # The paced push still loses its request or its reply as the link says (retryably).
+        faults.write_controls(tmp_path, 0, {"seed": 0, "drop": 1.0})
+        for _ in range(4):
+            with pytest.raises(faulty_link.DroppedCall) as lost:
+                client.push(
+                    learner_id=0, fragment=1, round=0, base_version=0, steps=4, tokens=1024,
+                    specs=server.state.fragments[1].specs, retries=0,
+                    arrays=[v * 0 for v in server.state.fragments[1].values],
+                )  # fmt: skip
+            assert retry.retryable(lost.value)
+        assert link.dropped["request"] > 0 and link.dropped["reply"] > 0
     finally:
         client.close()
         server.stop(0)

@@ -1,9 +1,11 @@
 """The learner-side client of the syncer: deadlines, retries with backoff, chunked streams.
 
-Control calls have fixed deadlines. A push or pull has none as a whole: it may take as long as
-its bytes need on a slow link, and is cut once it moves nothing for `rpc_timeout_s` (a pull's
-first chunk may also wait `wait_s` for the merge), as the syncer cuts its idle streams. So a
-fragment that takes minutes to cross a WAN link arrives, and a stalled transfer still ends.
+Control calls have fixed deadlines. A push or pull may take as long as its bytes need on a slow
+link: it is cut once it moves nothing for `rpc_timeout_s` (a pull's first chunk may also wait
+`wait_s` for the merge), with a deadline of `rpc_timeout_s` per chunk behind that. So a fragment
+that takes minutes to cross a WAN link arrives, as long as each chunk crosses it within
+`rpc_timeout_s` and the syncer's `stream_idle_s` (`config.checks` holds `chunk_bytes` to that
+where the link's rate is known, `decoupled.wan_mbit`), and a stalled transfer still ends.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class _Watch:
     """
 
     def __init__(self, idle_s: float, first_s: float = 0.0):
-        self.idle_s, self._limit, self._last = idle_s, idle_s + first_s, time.monotonic()
+        self.idle_s = idle_s
+        self._deadline = time.monotonic() + idle_s + first_s  # (one attribute: no torn reads)
         self.stalled, self._done = False, threading.Event()
 
     def guard(self, call: Any) -> None:
@@ -60,30 +63,31 @@ class _Watch:
             threading.Thread(target=self._run, args=(call,), daemon=True, name="dd-watch").start()
 
     def moved(self) -> None:
-        self._last, self._limit = time.monotonic(), self.idle_s
+        self._deadline = time.monotonic() + self.idle_s
 
     def close(self) -> None:
         self._done.set()
 
     def _run(self, call: Any) -> None:
         while not self._done.wait(min(1.0, self.idle_s / 4)):
-            if time.monotonic() - self._last > self._limit:
+            if time.monotonic() > self._deadline:
                 self.stalled = True
                 call.cancel()
                 return
 
 
 def transfer_deadline_s(nbytes: int, config: SyncerConfig, wait_s: float = 0.0) -> float:
-    """The most a push or pull of `nbytes` may take: `rpc_timeout_s` for each of its chunks.
+    """The most a push or pull of `nbytes` may take, as a whole: the backstop behind `_Watch`.
 
-    The backstop behind `_Watch` (a chunk that takes longer is cut by both).
+    `wait_s` (a pull's wait for its merge), then `rpc_timeout_s` for each chunk and one more
+    for the reply.
     """
     chunks = -(-max(nbytes, 1) // config.chunk_bytes)
     return wait_s + config.rpc_timeout_s * (1 + chunks)
 
 
 class SyncerClient:
-    """Calls on one syncer, each with a deadline and retried with jittered exponential backoff.
+    """Calls on one syncer, bounded in time and retried with jittered exponential backoff.
 
     Args:
       address: HOST:PORT of the syncer.
@@ -248,6 +252,7 @@ class SyncerClient:
                 for chunk in stream():  # (gRPC asks for the next once the last one is sent)
                     watch.moved()
                     yield chunk
+                watch.moved()  # (the last one is sent: the reply gets a whole `idle_s`)
 
             try:
                 future = self._push.future(watched(), timeout=deadline, metadata=self.metadata)

@@ -150,7 +150,13 @@ class DegradedLink(
                 self._pace(values, len(chunk) if isinstance(chunk, bytes | bytearray) else 0, "up")
                 yield chunk
 
-        return self._unary_reply(continuation, client_call_details, paced())
+        drop = self._drop(values, client_call_details)
+        self._delay(values)
+        if drop == "request":
+            raise DroppedCall("request")
+        # Not waited for here: the caller's future stays cancellable while the stream moves.
+        return _Reply(continuation(client_call_details, paced()), lambda: self._delay(values),
+                      drop == "reply")  # fmt: skip
 
     def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: D102
         values = self._values()
@@ -186,3 +192,21 @@ class _Replies:
     def cancel(self) -> bool:
         """Cancels the underlying call."""
         return self._call.cancel()
+
+
+class _Reply:
+    """A push's outcome (a gRPC future) whose `result()` adds the link's delay and reply drop."""
+
+    def __init__(self, outcome: Any, delay: Callable[[], None], drop_reply: bool):
+        self._outcome, self._delay, self._drop_reply = outcome, delay, drop_reply
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The reply, after the link's return delay; `DroppedCall` if the link loses it."""
+        value = self._outcome.result(timeout)  # raises the call's own error, if any
+        self._delay()
+        if self._drop_reply:
+            raise DroppedCall("reply")
+        return value
+
+    def __getattr__(self, name: str) -> Any:  # cancel, done, code, ...: the call's own
+        return getattr(self._outcome, name)

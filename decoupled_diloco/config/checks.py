@@ -158,6 +158,23 @@ def _validate_wan(c: ExperimentConfig) -> None:
         f'must be "learner" or "process", got {sites!r}',
     )
     if rate > 0:
+        _check(
+            sites == "learner" or c.decoupled.island_processes > 1,
+            "decoupled.wan_sites",
+            '"process" puts the processes of a multi-process island in sites of their own; '
+            "set decoupled.island_processes > 1 (or wan_sites='learner')",
+        )
+        s = c.decoupled.syncer
+        chunk_s = s.chunk_bytes * 8 / (rate * 1e6)
+        _check(
+            chunk_s <= min(s.stream_idle_s, s.rpc_timeout_s) / 2,
+            "decoupled.syncer.chunk_bytes",
+            f"one chunk of {s.chunk_bytes} bytes takes {chunk_s:.1f} s at wan_mbit={rate:g}, "
+            f"more than half of min(stream_idle_s, rpc_timeout_s) = "
+            f"{min(s.stream_idle_s, s.rpc_timeout_s):g} s, after which a stream that moves "
+            f"nothing is cut; use at most "
+            f"{int(min(s.stream_idle_s, s.rpc_timeout_s) / 2 * rate * 1e6 / 8)} bytes",
+        )
         spread = c.num_learners * (c.decoupled.island_processes if sites == "process" else 1)
         _check(
             spread <= 63,

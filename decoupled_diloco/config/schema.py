@@ -201,7 +201,9 @@ class SyncerConfig:
       tls_key: PEM private key of the syncer.
       chunk_bytes: bytes per gRPC stream message of a push or pull (at least 1024).
       max_push_bytes: the largest push the syncer accepts.
-      rpc_timeout_s: deadline of one RPC; also the longest a pull waits for a merge.
+      rpc_timeout_s: deadline of one control RPC; a push or pull is cut once it moves nothing
+        this long (however long it takes as a whole); also the longest a pull waits for a
+        merge.
       retries: retries of a failed RPC (with backoff) before the learner reports an error.
       heartbeat_s: seconds between a learner's heartbeats.
       learner_timeout_s: a learner silent this long no longer counts towards the quorum.
@@ -296,8 +298,9 @@ class DecoupledConfig:
       stale_anchor: "syncer" re-anchors a stale push at the current global value; "learner"
         keeps the learner's own outer gradient.
       island_processes: processes (hosts) per learner island on JAX's multi-controller runtime
-        (`jax.distributed`); the launcher starts this many per learner on 127.0.0.1. 1: one
-        process per island. See decoupled_diloco/multihost.py.
+        (`jax.distributed`); the local launcher starts this many per learner (on 127.0.0.1,
+        or each in a site of its own, `wan_sites`). 1: one process per island. See
+        decoupled_diloco/learner/multihost.py.
       wan_mbit: the local launcher puts each learner in its own network namespace behind a
         kernel rate limit (`tc tbf`, this many Mbit/s each way; needs root and iproute2, else
         the learners' links are paced in-process and the launcher says so); 0: no limit.

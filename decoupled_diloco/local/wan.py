@@ -8,8 +8,9 @@
 
 A site is one data centre: a learner island (all its processes), or with
 `decoupled.wan_sites="process"` one process of an island that spans sites (data-parallel over
-the WAN: its collectives cross the links). Sites reach each other through the syncer's
-namespace, which forwards between its links, so site-to-site traffic is shaped on both links.
+the WAN: its collectives cross the links). Such sites reach each other through the syncer's
+namespace, which then forwards between its site links (`routed`), so site-to-site traffic is
+shaped on both links; no site can reach the root namespace.
 
 Each link is a private /30 of `10.X.Y.0` that this lab picked and checked is unused; the syncer
 binds 0.0.0.0 inside its own namespace (where only the lab's links exist). A learner reaches
@@ -110,10 +111,20 @@ class WanLab:
       num_sites: site namespaces to make (one per learner, or per island process).
       rate_mbit: the rate of every site's link, each way (None: unshaped links).
       ip, tc: the iproute2 tools.
+      routed: the sites reach each other (through the syncer's namespace, which then
+        forwards between its site links); otherwise each reaches the syncer only.
     """
 
-    def __init__(self, num_sites: int, rate_mbit: float | None, ip: str = "ip", tc: str = "tc"):
+    def __init__(
+        self,
+        num_sites: int,
+        rate_mbit: float | None,
+        ip: str = "ip",
+        tc: str = "tc",
+        routed: bool = False,
+    ):
         self.num_sites, self.rate_mbit, self.ip, self.tc = num_sites, rate_mbit, ip, tc
+        self.routed = routed
         tag = secrets.token_hex(2)
         self.tag = tag
         self.syncer_ns = f"{_PREFIX}{tag}s"
@@ -139,16 +150,19 @@ class WanLab:
         """Makes the namespaces, links, addresses and qdiscs."""
         blocks = _free_blocks(self.num_sites + 1)
         self._namespace(self.syncer_ns)
-        # The syncer's namespace routes between the sites (and nowhere else: it has no other
-        # links, and the root namespace's forwarding is left as it is).
-        self._in(self.syncer_ns, ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        if self.routed:  # (the namespace's own setting; the root namespace's is left alone)
+            self._in(self.syncer_ns, ["sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
         root = self._link("r", None, self.syncer_ns, blocks[0])
         self.links.append(root)
         for i, ns in enumerate(self.site_ns):
             self._namespace(ns)
             link = self._link(f"l{i}", self.syncer_ns, ns, blocks[i + 1])
-            self._in(ns, [self.ip, "route", "add", str(blocks[0].supernet(new_prefix=24)),
-                          "via", link.near_addr])  # fmt: skip
+            if self.routed:
+                # The other sites, through the syncer's namespace; never the root link's block
+                # (the root namespace has no route back: its replies would leave the lab).
+                lab_block = str(blocks[0].supernet(new_prefix=24))
+                self._in(ns, [self.ip, "route", "add", lab_block, "via", link.near_addr])
+                self._in(ns, [self.ip, "route", "add", "prohibit", str(blocks[0])])
             if self.rate_mbit is not None:
                 for end, where in ((link.near, link.near_ns), (link.far, link.far_ns)):
                     self._in(where, [self.tc, "qdisc", "add", "dev", end, "root",
@@ -379,8 +393,11 @@ def shaping_for(
     per_process = per_process and island_processes > 1
     sites = num_learners * island_processes if per_process else num_learners
     ok, why = available()
+    missing = [t for t in ("unshare", "hostname") if per_process and shutil.which(t) is None]
+    if ok and missing:  # (util-linux and hostname: each process gets its own hostname)
+        ok, why = False, f"{', '.join(missing)} not found (apt-get install util-linux hostname)"
     if ok:
-        lab = WanLab(sites, rate_mbit)
+        lab = WanLab(sites, rate_mbit, routed=per_process)
         try:
             lab.build()
             return Shaping(lab, rate_mbit=rate_mbit, island_processes=island_processes,
