@@ -17,7 +17,7 @@ import pytest
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.learner.multihost import ProcessGroup, local_device_count
-from decoupled_diloco.local import launch
+from decoupled_diloco.local import commands
 from tests.helpers import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def test_island_commands_give_each_process_its_place(tmp_path):
         **{"mesh.shape": (2, 1), "decoupled.island_processes": 2},
     )
     summary = tmp_path / "learner_1.json"
-    cmds = launch.island_commands(config, tmp_path / "c.py", "127.0.0.1:5", 1, summary)
+    cmds = commands.island_commands(config, tmp_path / "c.py", "127.0.0.1:5", 1, summary)
     assert [name for name, _ in cmds] == ["learner_1", "learner_1_p1"]
     flags = [dict(a[2:].split("=", 1) for a in cmd if a.startswith("--")) for _, cmd in cmds]
     assert flags[0]["coordinator"] == flags[1]["coordinator"]

@@ -14,13 +14,8 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.config import write_config_file
 from decoupled_diloco.learner import recovery as learner_recovery
 from decoupled_diloco.learner import standby
-from decoupled_diloco.local.launch import (
-    Processes,
-    child_env,
-    learner_command,
-    syncer_command,
-)
-from decoupled_diloco.local.procs import free_port
+from decoupled_diloco.local.commands import child_env, learner_command, syncer_command
+from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.local.supervisor import EventLog, Supervisor, learner_env, prepare_run
 from decoupled_diloco.obs import timeline as tl
 from tests.conftest import tiny_config

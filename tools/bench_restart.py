@@ -53,18 +53,18 @@ def measure(kills: int, workdir: pathlib.Path, standby: bool) -> list[tuple[str,
     """
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.learner.standby import Spares
-    from decoupled_diloco.local import launch
+    from decoupled_diloco.local import commands
     from decoupled_diloco.local.procs import Processes, free_port
 
     config = _config()
     workdir.mkdir(parents=True, exist_ok=True)
     config_file = config_lib.write_config_file(config, workdir / "config.py")
-    env = launch.child_env("bench-restart-token")
+    env = commands.child_env("bench-restart-token")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
     procs = Processes(workdir / "logs", env)
     port = free_port()
     journal = workdir / "checkpoints" / "learner_0.progress"
-    command = launch.learner_command(
+    command = commands.learner_command(
         config_file, f"127.0.0.1:{port}", 0, workdir / "learner_0.json"
     )
 
@@ -86,7 +86,7 @@ def measure(kills: int, workdir: pathlib.Path, standby: bool) -> list[tuple[str,
     try:
         procs.start(
             "syncer",
-            launch.syncer_command(
+            commands.syncer_command(
                 config_file, workdir / "syncer.port", port, 0, workdir / "checkpoints" / "syncer_0"
             ),
         )
