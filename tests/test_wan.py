@@ -306,3 +306,29 @@ def test_a_transfer_longer_than_the_rpc_deadline_arrives_and_a_stalled_one_is_cu
     finally:
         client.close()
         server.stop(0)
+
+
+def test_control_calls_have_a_connection_of_their_own(tmp_path):
+    # On a slow link a fragment's bytes fill the data connection's queues for seconds or
+    # minutes; heartbeats must not wait behind them: they go over a second TCP connection.
+    from decoupled_diloco.comm.client import SyncerClient
+    from decoupled_diloco.syncer.server import SyncerServer
+    from tests.conftest import tiny_config
+
+    config = tiny_config(mode="decoupled", **{"decoupled.fragments": 2})
+    server = SyncerServer(config, host="127.0.0.1", port=0, token="t").start()
+    client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, "t")
+    try:
+        client.register(0, server.fingerprint)
+        client.heartbeat(learner_id=0, step=1, state="training")
+        client.pull(0, 0, 0, wait_s=0.0)
+        rows = []  # established (state 01) connections to the syncer, IPv4 or IPv6
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                rows += [line.split() for line in f.readlines()[1:]]
+        port = f"{server.port:04X}"
+        conns = {r[1] for r in rows if r[2].endswith(":" + port) and r[3] == "01"}
+        assert len(conns) == 2, conns
+    finally:
+        client.close()
+        server.stop(0)

@@ -105,10 +105,15 @@ class SyncerClient:
         link: grpc.UnaryUnaryClientInterceptor | None = None,
     ):
         self.address, self.config = address, config
+        # Two connections: the data calls' bytes queue in their own TCP connection (on a slow
+        # link, seconds to minutes of them), so that heartbeats and other control calls never
+        # wait behind a fragment in transit (the syncer would count a pushing learner lost).
         self.channel = wire.make_channel(address, config)
+        self.control_channel = wire.make_channel(address, config, own_connection=True)
         if link is not None:
             self.channel = grpc.intercept_channel(self.channel, link)
-        self.stub = pb_grpc.SyncerStub(self.channel)
+            self.control_channel = grpc.intercept_channel(self.control_channel, link)
+        self.stub = pb_grpc.SyncerStub(self.control_channel)
         # The data calls move pre-encoded chunks (see `wire.data_chunk`): raw bytes both ways.
         self._push = self.channel.stream_unary(
             "/decoupled_diloco.Syncer/Push",
@@ -131,8 +136,9 @@ class SyncerClient:
         self._local = threading.local()
 
     def close(self) -> None:
-        """Closes the channel."""
+        """Closes the connections."""
         self.channel.close()
+        self.control_channel.close()
 
     def _call(self, fn: Callable[[], T], retries: int | None = None) -> T:
         """`fn()` with up to `retries` (default `config.retries`) retries (`comm.retry`)."""
@@ -144,7 +150,9 @@ class SyncerClient:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Blocks until the channel connects (the syncer may still be starting)."""
-        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for channel in (self.control_channel, self.channel):
+            grpc.channel_ready_future(channel).result(timeout=max(deadline - time.monotonic(), 0))
 
     def register(self, learner_id: int, fingerprint: str, mesh: str = "") -> pb.RegisterReply:
         """Registers this learner; refused (FAILED_PRECONDITION) if the model differs."""

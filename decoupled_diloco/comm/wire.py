@@ -296,9 +296,15 @@ def server_credentials(config: SyncerConfig) -> grpc.ServerCredentials | None:
         return grpc.ssl_server_credentials([(key.read(), cert.read())])
 
 
-def make_channel(address: str, config: SyncerConfig) -> grpc.Channel:
-    """A channel to the syncer: TLS trusting `tls_cert` when set, raised message limits."""
+def make_channel(address: str, config: SyncerConfig, own_connection: bool = False) -> grpc.Channel:
+    """A channel to the syncer: TLS trusting `tls_cert` when set, raised message limits.
+
+    With `own_connection`, its TCP connection is its own (gRPC otherwise shares one among the
+    channels of a process to the same address).
+    """
     options = channel_options(config.chunk_bytes)
+    if own_connection:
+        options.append(("grpc.use_local_subchannel_pool", 1))
     if config.tls_cert:
         with open(config.tls_cert, "rb") as cert:
             credentials = grpc.ssl_channel_credentials(root_certificates=cert.read())
