@@ -102,3 +102,26 @@ def test_cli_json_and_errors(capsys):
     assert "not a parameter count" in capsys.readouterr().err
     assert cli.main(["--paper_table"]) == 0
     assert "paper" in capsys.readouterr().out
+
+
+def test_a_finite_run_counts_its_final_flush_and_diloco_through_a_syncer_waits_both_ways():
+    from decoupled_diloco.sim.bandwidth import LinkPlan, utilisation
+
+    # By hand, 1e6 parameters at 8 bits over 1 Mbit/s, 1 s steps, H = 10, hide 2/3 s:
+    # streaming P = 2, tau = 0: c_p = 4 s, wall/round = 10 + 2 * (4 - 2/3) = 16.67 s.
+    base = {"params": 1e6, "step_time_s": 1.0, "inner_steps": 10, "bits": 8, "dp_bits": 8}
+    streaming = LinkPlan(**base, fragments=2, overlap_steps=0)
+    assert utilisation(streaming, "streaming", 1e-3) == pytest.approx(10 / (10 + 2 * (4 - 2 / 3)))
+    # 20 steps: two rounds, then the final flush pushes all 8 Mbit (8 s), nothing back.
+    finite = LinkPlan(**base, fragments=2, overlap_steps=0, run_steps=20)
+    assert utilisation(finite, "streaming", 1e-3) == pytest.approx(
+        20 / (2 * (10 + 2 * (4 - 2 / 3)) + 8)
+    )
+    # diloco through a syncer: 8 s up, then 8 s down (the merge needs every push first).
+    diloco = LinkPlan(**base, fragments=1)
+    assert utilisation(diloco, "diloco", 1e-3) == pytest.approx(10 / (10 + 16 - 2 / 3))
+    # ... and a 20-step run: one such round, then the last one's push only.
+    diloco20 = LinkPlan(**base, fragments=1, run_steps=20)
+    assert utilisation(diloco20, "diloco", 1e-3) == pytest.approx(20 / ((10 + 16 - 2 / 3) + 10 + 8))
+    with pytest.raises(ValueError, match="run_steps"):
+        pb.plan(LinkPlan(**base, fragments=1, run_steps=5))

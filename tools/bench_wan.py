@@ -19,11 +19,12 @@ step time is measured by the first, unlimited run. The settings, M learners (sit
 Utilisation: for decoupled and diloco, stepping time (less the link's waits inside the step
 loop, `blocked_s`) over the learners' time from their first step on (stepping, blocked,
 checkpointing), from the timelines; "without final flush" leaves out the waits after the last
-step, which a long run amortises. For dp the wait is inside XLA's step, so utilisation is the
-unlimited run's step time over the limited one's. A dp step behind a scaled link takes minutes,
-so limited dp runs time a few steps (`_dp_steps`); their loss is the unlimited run's (dp's math
-does not depend on the link). "Link load" is the busiest site's busier direction, in bytes the
-kernel counted, over the run's wall time.
+step, which a long run amortises. The planner (`sim.bandwidth.utilisation`) predicts both: for
+the run's length, final flush included, and for a long run. For dp the wait is inside XLA's
+step, so utilisation is the unlimited run's step time over the limited one's. A dp step behind a
+scaled link takes minutes, so limited dp runs time a few steps (`_dp_steps`); their loss is the
+unlimited run's (dp's math does not depend on the link). "Link load" is the busiest site's
+busier direction, in bytes the kernel counted, over the run's wall time.
 
 `--quick`: only decoupled e3m0 P=4 and dp, unlimited and at the scaled 2 Gbit/s (dp's unlimited
 run times 20 steps); it ends with `scaled 2 Gbit/s: decoupled utilisation U, dp utilisation V,
@@ -84,12 +85,19 @@ class Setting:
             "outer.merge": "mean",
         }  # fmt: skip
 
-    def planned(self, w: bandwidth.Workload, learners: int, gbps: float) -> float:
-        """The planner's utilisation (`sim.bandwidth.utilisation`) for this setting."""
+    def planned(
+        self, w: bandwidth.Workload, learners: int, gbps: float, run_steps: int = 0
+    ) -> float:
+        """The planner's utilisation (`sim.bandwidth.utilisation`) for this setting.
+
+        `run_steps`: the run's length, whose final flush then counts (0: a long run).
+        """
         if gbps <= 0:
             return 1.0
-        common = {"params": w.params, "step_time_s": w.step_time_s, "num_learners": learners}
+        common = {"params": w.params, "step_time_s": w.step_time_s, "num_learners": learners,
+                  "run_steps": run_steps}  # fmt: skip
         if self.kind == "dp":
+            common["run_steps"] = 0  # (dp's utilisation is its steps' only)
             plan = bandwidth.LinkPlan(**common, inner_steps=1, fragments=1, overlap_steps=0,
                                       dp_bits=32, topology="allreduce")  # fmt: skip
             return bandwidth.utilisation(plan, "dp", gbps)
@@ -205,14 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     # The links' rates come from this model's own decoupled run (unlimited): its N, H, step time.
     ref = run(SETTINGS[0], "unlimited", args.steps)
     workload = bandwidth.Workload(ref["params"], ref["inner_steps"], step_time(ref))
-    rows = []  # (setting, link name, gbps, mbit, summary, utilisation, without flush, planned)
+    # (setting, link, gbps, mbit, summary, utilisation, without flush, planned, long-run planned)
+    rows = []
     for setting in settings:
         free_steps = QUICK_DP_STEPS if args.quick and setting.kind == "dp" else args.steps
         free = run(setting, "unlimited", free_steps)
         w = _workload(workload, setting, free)
         # (dp's utilisation is relative to its own unlimited run: 1 there by definition)
         u_free = (1.0, 1.0) if setting.kind == "dp" else utilisation(free)
-        rows.append((setting, "unlimited", 0.0, 0.0, free, *u_free, 1.0))
+        rows.append((setting, "unlimited", 0.0, 0.0, free, *u_free, 1.0, 1.0))
         for gbps in gbps_list:
             mbit = bandwidth.scaled_bandwidth(gbps * 1e9, bandwidth.PAPER_12B, workload) / 1e6
             if setting.kind == "dp":
@@ -222,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 s = run(setting, f"{gbps:g}gbps", args.steps, mbit)
                 u, u_noflush = utilisation(s)
-            planned = setting.planned(w, args.learners, mbit / 1e3)
-            rows.append((setting, f"scaled {gbps:g} Gbit/s", gbps, mbit, s, u, u_noflush, planned))
+            planned = setting.planned(w, args.learners, mbit / 1e3, s["train_steps"])
+            long_run = setting.planned(w, args.learners, mbit / 1e3)
+            link = f"scaled {gbps:g} Gbit/s"
+            rows.append((setting, link, gbps, mbit, s, u, u_noflush, planned, long_run))
 
     text = _table(rows, shown, time.time() - t0, args, workload, shaping)
     out = pathlib.Path(args.out)
@@ -250,13 +261,13 @@ def _table(rows, shown, seconds, args, workload, shaping) -> str:
         f"run); shaping: {shaping}. The paper's side (`sim.bandwidth.PAPER_12B`): 12e9 "
         "parameters, H = 100 (Table 4's; assumed), 1 s steps (assumed, between Table 4's 10B "
         "and 100B). Each row's command is in its workdir's `summary.json` (`command`).\n",
-        "| setting | link | rate here (Mbit/s) | utilisation | without final flush | planned "
-        "| planned − measured (points) | stall max | goodput | wall (s) | final eval loss "
-        "| vs unlimited | MB sent | link load (Mbit/s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | link | rate here (Mbit/s) | utilisation | planned | Δ (points) "
+        "| without final flush | planned, long run | Δ (points) | stall max | goodput "
+        "| wall (s) | final eval loss | vs unlimited | MB sent | link load (Mbit/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
-    for setting, link, _, mbit, s, u, u_noflush, planned in rows:
+    for setting, link, _, mbit, s, u, u_noflush, planned, long_run in rows:
         loss = s["final_eval_loss"]
         if link == "unlimited":
             base[setting.name] = loss
@@ -264,8 +275,9 @@ def _table(rows, shown, seconds, args, workload, shaping) -> str:
         loss_cell = f"= unlimited ({s['train_steps']} steps timed)" if timed else f"{loss:.4f}"
         ratio = "—" if timed else f"{loss / base[setting.name]:.4f}"
         lines.append(
-            f"| {setting.name} | {link} | {mbit:.3f} | {u:.3f} | {u_noflush:.3f} | {planned:.3f} "
-            f"| {100 * (planned - u):+.1f} | {s['stall_fraction_max']:.4f} | "
+            f"| {setting.name} | {link} | {mbit:.3f} | {u:.3f} | {planned:.3f} "
+            f"| {100 * (planned - u):+.1f} | {u_noflush:.3f} | {long_run:.3f} "
+            f"| {100 * (long_run - u_noflush):+.1f} | {s['stall_fraction_max']:.4f} | "
             f"{s.get('goodput', float('nan')):.3f} | {s['wall_s']:.0f} | {loss_cell} | {ratio} | "
             f"{s['bytes_sent'] / 1e6:.1f} | {link_load_mbit(s):.3f} |"
         )
@@ -287,8 +299,9 @@ def _plot(rows, learners: int, workload, path: pathlib.Path) -> None:
         w = _workload(workload, setting, next(r[4] for r in rows if r[0] is setting))
         scale = bandwidth.scaled_bandwidth(1e9, bandwidth.PAPER_12B, workload) / 1e9
         color = f"C{i}"
-        ax.plot(grid, [setting.planned(w, learners, g * scale) for g in grid], color=color,
-                lw=1, alpha=0.7)  # fmt: skip
+        steps = next(r[4]["train_steps"] for r in rows if r[0] is setting)
+        ax.plot(grid, [setting.planned(w, learners, g * scale, steps) for g in grid],
+                color=color, lw=1, alpha=0.7)  # fmt: skip
         points = [(r[2], r[5]) for r in rows if r[0].name == name and r[2] > 0]
         ax.plot(*zip(*points, strict=True), "o", color=color, label=name)
     ax.set_xscale("log")

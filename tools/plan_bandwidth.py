@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         default=TARGETS,
         help="comma-separated utilisation targets",
     )
+    p.add_argument(
+        "--run_steps", type=int, default=0, help="T: count the final flush of a T-step run"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--paper_table", action="store_true", help="compare with Streaming DiLoCo")
     return p

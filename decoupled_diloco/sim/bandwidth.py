@@ -29,6 +29,12 @@ The model (a closed form, not a simulation) and every assumption it makes:
   needs the merged values; beyond that window the learner waits. Transfers share the link one at a
   time, so if P transfers do not fit in H steps the link is the bottleneck:
   `wall per H steps = max(H t + P * max(0, c_p - (tau + backward_fraction) t), P * c_p)`.
+* A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
+  with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
+  T/H rounds; for `diloco` it replaces the last round's push and pull. (Measured behind kernel
+  rate limits, benchmarks/results/wan.md: on slow links the flush is most of what a 200-step
+  run loses.) The initial pull of the global parameters happens before the first step and
+  is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
   for a target utilisation is found by bisection; `inf` when latency alone rules the target out.
 
@@ -79,6 +85,7 @@ class LinkPlan:
       backward_fraction: the share of a step that can hide communication.
       bandwidth_gbps: the link, for its utilisation; 0: only the bandwidth each target needs.
       targets: utilisation targets.
+      run_steps: T, the run's length, whose final flush then counts (0: a long run).
     """
 
     params: float = 1e9
@@ -95,6 +102,7 @@ class LinkPlan:
     backward_fraction: float = 2 / 3
     bandwidth_gbps: float = 0.0
     targets: tuple[float, ...] = TARGETS
+    run_steps: int = 0
 
 
 def parse_count(text: str) -> float:
@@ -141,17 +149,25 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
         c = _transfer_s(args, args.params, args.dp_bits, gbps)
         return t / (t + max(0.0, c - hide))
     h = args.inner_steps
+    rounds = args.run_steps / h if args.run_steps else 0.0
     if mode == "diloco":
         c = _transfer_s(args, args.params, args.dp_bits, gbps)
         if args.topology == "syncer":  # the push, the merge, then the pull: one after the other
             c = 2 * args.latency_s + args.params * 2 * args.dp_bits / (gbps * 1e9)
-        return h * t / (h * t + max(0.0, c - hide))
+        wall = h * t + max(0.0, c - hide)
+        if not rounds:
+            return h * t / wall
+        flush = args.latency_s + args.params * args.dp_bits / (gbps * 1e9)
+        return rounds * h * t / ((rounds - 1) * wall + h * t + flush)
     if mode == "streaming":
         p = args.fragments
         c = _transfer_s(args, args.params / p, args.bits, gbps)
         window = args.overlap_steps * t + hide
         wall = max(h * t + p * max(0.0, c - window), p * c)
-        return h * t / wall
+        if not rounds:
+            return h * t / wall
+        flush = args.latency_s + args.params * args.bits / (gbps * 1e9)  # all P, up only
+        return rounds * h * t / (rounds * wall + flush)
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
 
 
@@ -201,6 +217,8 @@ def check_args(args: LinkPlan) -> None:
         raise ValueError("allreduce topology needs num_learners >= 2")
     if args.fragments > args.inner_steps:
         raise ValueError(f"fragments ({args.fragments}) > inner_steps ({args.inner_steps})")
+    if args.run_steps and args.run_steps < args.inner_steps:
+        raise ValueError(f"run_steps ({args.run_steps}) must be 0 or >= inner_steps")
     if args.overlap_steps < 0 or args.latency_s < 0 or args.down_bits < 0:
         raise ValueError("overlap_steps, latency_s and down_bits must be >= 0")
     if not 0.0 <= args.backward_fraction <= 1.0:
