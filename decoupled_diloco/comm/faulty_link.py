@@ -124,21 +124,22 @@ class DegradedLink(
         if latency > 0:
             time.sleep(latency / 2)
 
-    def _unary_reply(self, continuation: Callable, details: Any, request: Any) -> Any:
-        values = self._values()
+    def _unary_reply(
+        self, continuation: Callable, details: Any, request: Any, values: dict[str, Any]
+    ) -> _Reply:
+        """The call, its request lost or delayed as the link says; the reply in `_Reply`.
+
+        Not waited for here: a caller's future stays cancellable while the call runs.
+        """
         drop = self._drop(values, details)
         self._delay(values)
         if drop == "request":
             raise DroppedCall("request")
         outcome = continuation(details, request)
-        outcome.result()  # raises the call's own error, if any
-        self._delay(values)
-        if drop == "reply":
-            raise DroppedCall("reply")
-        return outcome
+        return _Reply(outcome, lambda: self._delay(values), drop == "reply")
 
     def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: D102
-        return self._unary_reply(continuation, client_call_details, request)
+        return self._unary_reply(continuation, client_call_details, request, self._values())
 
     def intercept_stream_unary(  # noqa: D102
         self, continuation, client_call_details, request_iterator
@@ -150,13 +151,7 @@ class DegradedLink(
                 self._pace(values, len(chunk) if isinstance(chunk, bytes | bytearray) else 0, "up")
                 yield chunk
 
-        drop = self._drop(values, client_call_details)
-        self._delay(values)
-        if drop == "request":
-            raise DroppedCall("request")
-        # Not waited for here: the caller's future stays cancellable while the stream moves.
-        return _Reply(continuation(client_call_details, paced()), lambda: self._delay(values),
-                      drop == "reply")  # fmt: skip
+        return self._unary_reply(continuation, client_call_details, paced(), values)
 
     def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: D102
         values = self._values()
@@ -195,7 +190,7 @@ class _Replies:
 
 
 class _Reply:
-    """A push's outcome (a gRPC future) whose `result()` adds the link's delay and reply drop."""
+    """A call's outcome (a gRPC future) whose `result()` adds the link's delay and reply drop."""
 
     def __init__(self, outcome: Any, delay: Callable[[], None], drop_reply: bool):
         self._outcome, self._delay, self._drop_reply = outcome, delay, drop_reply

@@ -21,8 +21,8 @@ The model (a closed form, not a simulation) and every assumption it makes:
   `wall = t + max(0, c - backward_fraction * t)`.
 * `diloco`: every H steps the whole model's outer gradient at `dp_bits`, hidden only by one
   backward pass (no overlap across steps). Through a syncer the merge needs every learner's
-  push before any pull can start, so up and down follow each other: `n * 2 * dp_bits` (measured
-  behind kernel rate limits, benchmarks/results/wan.md; the duplex sum ignored half of it).
+  push before any pull can start, so up and down follow each other: `n * 2 * dp_bits` (the
+  duplex max counted half of it; not yet held against a measured diloco run).
 * `streaming` (Streaming DiLoCo / this framework's decoupled mode): P fragments of N/P parameters,
   each synced every H steps at staggered offsets, at `bits` (4 = FP4/int4 outer gradients). A
   fragment's transfer may run for `tau` further steps plus one backward pass before the learner
@@ -31,9 +31,9 @@ The model (a closed form, not a simulation) and every assumption it makes:
   `wall per H steps = max(H t + P * max(0, c_p - (tau + backward_fraction) t), P * c_p)`.
 * A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
   with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
-  T/H rounds; for `diloco` it replaces the last round's push and pull. (Measured behind kernel
-  rate limits, benchmarks/results/wan.md: on slow links the flush is most of what a 200-step
-  run loses.) The initial pull of the global parameters happens before the first step and
+  T/H rounds; for `diloco` it replaces the last round's push and pull. (Behind kernel rate
+  limits, tools/bench_wan.py: decoupled e3m0 runs of 200 steps lost 3-43% to it and nothing
+  else.) The initial pull of the global parameters happens before the first step and
   is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
   for a target utilisation is found by bisection; `inf` when latency alone rules the target out.
