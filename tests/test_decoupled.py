@@ -165,9 +165,9 @@ def _events(workdir, kind):
     return [e for e in map(json.loads, lines) if e.get("event") == kind]
 
 
-def _flushing_after_the_last_step(workdir, steps):
-    """Learner 0's timeline: its last step is done and its last record is the final flush."""
-    path = workdir / "timeline" / "learner_0.jsonl"
+def _flushing_after_the_last_step(workdir, steps, learner):
+    """A learner's timeline: its last step is done and its last record is the final flush."""
+    path = workdir / "timeline" / f"learner_{learner}.jsonl"
     records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     return (
         records
@@ -177,11 +177,19 @@ def _flushing_after_the_last_step(workdir, steps):
 
 
 def test_outside_kills_of_a_learner_the_syncer_and_a_flushing_learner_are_healed(tmp_path):
-    """SIGKILL from outside, no fault schedule: learner 1 mid-run, the syncer, then learner 0
-    after its last step, while its final flush waits on a stopped syncer. Each is restarted (the
-    learners from their checkpoints, the syncer from its write-ahead log) and the run ends."""
+    """SIGKILL from outside, no fault schedule: learner 1 mid-run, the syncer, then learner 1
+    again after its last step, while its final flush waits on a stopped syncer. Each is restarted
+    (the learner from its checkpoints, the syncer from its write-ahead log) and the run ends."""
     steps = 160
-    proc = _launch(tmp_path, f"--config.train_steps={steps}", "--config.checkpoint.every=20")
+    # Learner 1 is slowed 30x (~0.2 s a step instead of ~7 ms), so that each kill lands where it
+    # is meant to: at full speed a learner ran its 160 steps in 2 s, and was done before the kill.
+    proc = _launch(
+        tmp_path,
+        f"--config.train_steps={steps}",
+        "--config.checkpoint.every=20",
+        "--config.slow_learner=1",
+        "--config.slowdown=30",
+    )
     try:
         port_file = tmp_path / "syncer.port"
         wait_until(port_file.exists, 120, "the syncer's port file")
@@ -195,19 +203,19 @@ def test_outside_kills_of_a_learner_the_syncer_and_a_flushing_learner_are_healed
             except Exception:  # noqa: BLE001 - the syncer is down or stopped for a moment
                 return 0
 
-        wait_until(lambda: steps_of(0) > 0 and steps_of(1) > 20, 240, "both learners to step")
+        wait_until(lambda: steps_of(1) > 20, 240, "learner 1 past its first checkpoint")
         os.kill(_pid(tmp_path, "--learner_id=1"), signal.SIGKILL)
         wait_until(lambda: _events(tmp_path, "recovery"), 120, "learner 1's restart")
         os.kill(_pid(tmp_path, "decoupled_diloco.syncer"), signal.SIGKILL)
         wait_until(lambda: len(_events(tmp_path, "recovery")) >= 2, 120, "the syncer's restart")
-        wait_until(lambda: steps_of(0) >= steps - 30, 300, "learner 0 near its end")
+        wait_until(lambda: steps_of(1) >= steps - 30, 300, "learner 1 near its end")
         syncer = _pid(tmp_path, "decoupled_diloco.syncer")
-        os.kill(syncer, signal.SIGSTOP)  # learner 0's final flush now waits
+        os.kill(syncer, signal.SIGSTOP)  # learner 1's final flush now waits
         try:
             wait_until(
-                lambda: _flushing_after_the_last_step(tmp_path, steps), 300, "learner 0's flush"
+                lambda: _flushing_after_the_last_step(tmp_path, steps, 1), 300, "learner 1's flush"
             )
-            os.kill(_pid(tmp_path, "--learner_id=0"), signal.SIGKILL)
+            os.kill(_pid(tmp_path, "--learner_id=1"), signal.SIGKILL)
         finally:
             os.kill(syncer, signal.SIGCONT)
         client.close()
@@ -215,13 +223,13 @@ def test_outside_kills_of_a_learner_the_syncer_and_a_flushing_learner_are_healed
         assert proc.returncode == 0, out[-3000:]
         summary = json.loads((tmp_path / "summary.json").read_text())
         crashes = _events(tmp_path, "crash")
-        assert [c["process"] for c in crashes] == ["learner_1", "syncer", "learner_0"], crashes
+        assert [c["process"] for c in crashes] == ["learner_1", "syncer", "learner_1"], crashes
         assert all(c["code"] == -signal.SIGKILL for c in crashes)
         assert summary["recoveries"] == 3 and summary["failures_injected"] == 0
         learners = {x["learner_id"]: x for x in summary["learners"]}
         assert all(x["steps"] == steps for x in learners.values())
-        assert learners[0]["restored_from_step"] == steps  # restarted after its last step
-        assert learners[1]["restarts"] >= 1
+        assert learners[1]["restored_from_step"] == steps  # restarted after its last step
+        assert learners[1]["restarts"] == 2
         assert summary["final_eval_loss"] < 5.3  # ln 256 = 5.55 at init
         wait_until(lambda: not _children_of(tmp_path), 30, "every child process to exit")
     finally:

@@ -41,15 +41,16 @@ MODELS = {
         "--config.model.mlp_hidden=64",
         "--config.model.num_layers=1",
         "--config.data.batch_size=16",
-        "--config.eval.batches=4",
-        "--config.train_steps=48",
+        "--config.eval.batches=16",
+        "--config.train_steps=96",
     ],
 }
-STEPS = {"moe": 16, "vit": 48}
+STEPS = {"moe": 16, "vit": 96}
 # What the run must reach: well below the untrained model's loss (ln 256 = 5.55 for the byte
 # LM, ln 10 = 2.30 for the ten digits) and, for the ViT, well above the 10% of guessing. Seen:
-# MoE 4.41 after 16 steps; ViT 1.95 and 41% after 48 (64 validation images).
-MAX_LOSS = {"moe": 5.0, "vit": 2.15}
+# MoE 4.41 after 16 steps; ViT 1.38-1.41 and 67-69% after 96 (256 validation images; after 48
+# steps on 64 images it was 19-41%, too close to the bar under CI's load).
+MAX_LOSS = {"moe": 5.0, "vit": 1.9}
 
 pytestmark = pytest.mark.multiprocess
 
@@ -93,7 +94,7 @@ def test_one_decoupled_run_with_two_learners_completes(model, tmp_path):
         assert summary["final_eval_loss"] < MAX_LOSS[model], summary["final_eval_loss"]
         assert summary["config"]["compression"]["scheme"] == ("int8" if model == "moe" else "none")
         if model == "vit":
-            assert 0.25 <= summary["final_eval_accuracy"] <= 1.0, summary["final_eval_accuracy"]
+            assert 0.4 <= summary["final_eval_accuracy"] <= 1.0, summary["final_eval_accuracy"]
         else:
             assert "final_eval_accuracy" not in summary
     finally:

@@ -182,7 +182,8 @@ class Learner:
             slowdown = max(self.slowdown, self.chaos.slowdown() if self.chaos else 1.0)
             if slowdown > 1 or first:
                 loss.block_until_ready()
-                time.sleep((slowdown - 1) * (time.perf_counter() - t_step))
+                if not first:  # compiling is not slowed: only the steps of slower hardware
+                    time.sleep((slowdown - 1) * (time.perf_counter() - t_step))
             if first:
                 self.startup["first_step"] = time.time()
                 print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
@@ -201,6 +202,11 @@ class Learner:
                 )
         train_wall = time.perf_counter() - t_start
         jax.block_until_ready(state)  # (the last steps' compute is stepping time)
+        if self.checkpoints is not None:
+            # The last step's checkpoint is on disk before the flush, which may wait long on a
+            # stopped or distant syncer: a learner killed then restarts after its last step.
+            self._mark("checkpointing", self.step)
+            self.checkpoints.wait()
         self._mark("blocked")  # the final flush
         flush_s = self.sync.flush(state.params)
         self.sync.close()

@@ -198,6 +198,10 @@ class LearnerCheckpoints:
             )
         return state
 
+    def wait(self) -> None:
+        """Blocks until pending saves are on disk."""
+        self.checkpointer.wait()
+
     def close(self) -> None:
         """Waits for pending saves; closes the journal."""
         self.checkpointer.close()
