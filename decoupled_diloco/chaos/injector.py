@@ -84,7 +84,11 @@ class Injector(threading.Thread):
     def run(self) -> None:  # noqa: D102 - threading.Thread.run
         pending = list(self.schedule.faults)
         while not self.halt.is_set() and (pending or self._undo):
-            for fault in [f for f in pending if self._due(f)]:
+            # A kill that waits for a merge goes last: its wait (up to 3 s) would otherwise hold
+            # back the faults due with it (seen: a fast learner finished during the wait, so
+            # its own kill, due at the same moment, found it gone).
+            due = sorted((f for f in pending if self._due(f)), key=lambda f: f.during_merge)
+            for fault in due:
                 pending.remove(fault)
                 try:
                     self._inject(fault)

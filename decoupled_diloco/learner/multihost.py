@@ -168,6 +168,10 @@ class MultihostSync(DecoupledSync):
 
     def connect(self, timeout_s: float = 120.0, peers_s: float = 60.0) -> None:
         """The leader connects and pulls; every process receives the global fragments."""
+        # The island's collectives connect first, while the links are idle: the leader's pull
+        # can fill its link for minutes, and gloo's connects behind it (their SYNs dropped by a
+        # full queue) time out ("Connect timeout", seen at 0.5 Mbit/s between sites).
+        broadcast(np.int32(0))
         if self.group.is_leader:
             super().connect(timeout_s, peers_s)
         else:
