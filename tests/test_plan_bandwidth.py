@@ -125,3 +125,27 @@ def test_a_finite_run_counts_its_final_flush_and_diloco_through_a_syncer_waits_b
     assert utilisation(diloco20, "diloco", 1e-3) == pytest.approx(20 / ((10 + 16 - 2 / 3) + 10 + 8))
     with pytest.raises(ValueError, match="run_steps"):
         pb.plan(LinkPlan(**base, fragments=1, run_steps=5))
+
+
+def test_decoupled_never_waits_its_slow_link_shows_as_a_longer_sync_interval():
+    from decoupled_diloco.sim.bandwidth import LinkPlan, sync_interval_steps, utilisation
+
+    # By hand, 1e6 parameters at 8 bits, 1 s steps, H = 10, P = 2: c_p = 4 Mbit / B.
+    base = {"params": 1e6, "step_time_s": 1.0, "inner_steps": 10, "bits": 8, "fragments": 2}
+    plan = LinkPlan(**base)
+    assert utilisation(plan, "decoupled", 1e-3) == 1.0  # a long run never waits
+    # 1 Mbit/s: c_p = 4 s, P c_p = 8 s < H t = 10 s: the link keeps up, syncs every H.
+    assert sync_interval_steps(plan, 1e-3) == 10.0
+    # 0.5 Mbit/s: c_p = 8 s, P c_p = 16 s > 10 s: each fragment every 16 steps.
+    assert sync_interval_steps(plan, 0.5e-3) == pytest.approx(16.0)
+    # 20 steps at 1 Mbit/s: the final flush pushes all 8 Mbit (8 s) after the steps' 20 s, once
+    # the fragment in flight is through: the link is busy 8 s of every 10, 0.8 * 4 s.
+    assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 1e-3) == pytest.approx(
+        20 / (20 + 8 + 0.8 * 4)
+    )
+    # ... at 0.5 Mbit/s: 16 s of flush plus the 8 s fragment in flight (the link always busy).
+    assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 0.5e-3) == pytest.approx(
+        20 / 44
+    )
+    with pytest.raises(ValueError, match="decoupled"):
+        utilisation(plan, "async", 1e-3)

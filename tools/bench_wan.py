@@ -20,11 +20,15 @@ Utilisation: for decoupled and diloco, stepping time (less the link's waits insi
 loop, `blocked_s`) over the learners' time from their first step on (stepping, blocked,
 checkpointing), from the timelines; "without final flush" leaves out the waits after the last
 step, which a long run amortises. The planner (`sim.bandwidth.utilisation`) predicts both: for
-the run's length, final flush included, and for a long run. For dp the wait is inside XLA's
-step, so utilisation is the unlimited run's step time over the limited one's. A dp step behind a
-scaled link takes minutes, so limited dp runs time a few steps (`_dp_steps`); their loss is the
-unlimited run's (dp's math does not depend on the link). "Link load" is the busiest site's
-busier direction, in bytes the kernel counted, over the run's wall time.
+the run's length, final flush included, and for a long run. A decoupled learner never waits for
+its link (its mode `decoupled` says 1 for a long run); a slow link shows instead as a longer
+interval between a fragment's syncs (`sim.bandwidth.sync_interval_steps`, "planned interval")
+and as pushes folded into later ones because the link was still busy ("folded", measured). For
+dp the wait is inside XLA's step, so utilisation is the unlimited run's step time over the
+limited one's. A dp step behind a scaled link takes minutes, so limited dp runs time a few steps
+(`_dp_steps`); their loss is the unlimited run's (dp's math does not depend on the link). "Link
+load" is the busiest site's busier direction, in bytes the kernel counted, over the run's wall
+time.
 
 `--quick`: only decoupled e3m0 P=4 and dp, unlimited and at the scaled 2 Gbit/s (dp's unlimited
 run times 20 steps); it ends with `scaled 2 Gbit/s: decoupled utilisation U, dp utilisation V,
@@ -105,12 +109,21 @@ class Setting:
             plan = bandwidth.LinkPlan(**common, inner_steps=w.inner_steps, fragments=1,
                                       overlap_steps=0, dp_bits=32, topology="syncer")  # fmt: skip
             return bandwidth.utilisation(plan, "diloco", gbps)
+        return bandwidth.utilisation(self._decoupled_plan(w, common), "decoupled", gbps)
+
+    def sync_interval(self, w: bandwidth.Workload, learners: int, gbps: float) -> float:
+        """The planner's steps between a fragment's syncs (decoupled; H otherwise)."""
+        if self.kind != "decoupled" or gbps <= 0:
+            return float(w.inner_steps) if self.kind == "diloco" else float("nan")
+        common = {"params": w.params, "step_time_s": w.step_time_s, "num_learners": learners}
+        return bandwidth.sync_interval_steps(self._decoupled_plan(w, common), gbps)
+
+    def _decoupled_plan(self, w: bandwidth.Workload, common: dict) -> bandwidth.LinkPlan:
         bits = _BITS[self.scheme]
-        plan = bandwidth.LinkPlan(
+        return bandwidth.LinkPlan(
             **common, inner_steps=w.inner_steps, fragments=self.fragments,
             overlap_steps=w.inner_steps // 5, bits=bits, down_bits=bits, topology="syncer",
         )  # fmt: skip
-        return bandwidth.utilisation(plan, "streaming", gbps)
 
 
 SETTINGS = [
@@ -221,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         w = _workload(workload, setting, free)
         # (dp's utilisation is relative to its own unlimited run: 1 there by definition)
         u_free = (1.0, 1.0) if setting.kind == "dp" else utilisation(free)
-        rows.append((setting, "unlimited", 0.0, 0.0, free, *u_free, 1.0, 1.0))
+        interval = setting.sync_interval(w, args.learners, 0.0)
+        rows.append((setting, "unlimited", 0.0, 0.0, free, *u_free, 1.0, 1.0, interval))
         for gbps in gbps_list:
             mbit = bandwidth.scaled_bandwidth(gbps * 1e9, bandwidth.PAPER_12B, workload) / 1e6
             if setting.kind == "dp":
@@ -233,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                 u, u_noflush = utilisation(s)
             planned = setting.planned(w, args.learners, mbit / 1e3, s["train_steps"])
             long_run = setting.planned(w, args.learners, mbit / 1e3)
+            interval = setting.sync_interval(w, args.learners, mbit / 1e3)
             link = f"scaled {gbps:g} Gbit/s"
-            rows.append((setting, link, gbps, mbit, s, u, u_noflush, planned, long_run))
+            rows.append((setting, link, gbps, mbit, s, u, u_noflush, planned, long_run, interval))
 
     text = _table(rows, shown, time.time() - t0, args, workload, shaping)
     out = pathlib.Path(args.out)
@@ -262,12 +277,13 @@ def _table(rows, shown, seconds, args, workload, shaping) -> str:
         "parameters, H = 100 (Table 4's; assumed), 1 s steps (assumed, between Table 4's 10B "
         "and 100B). Each row's command is in its workdir's `summary.json` (`command`).\n",
         "| setting | link | rate here (Mbit/s) | utilisation | planned | Δ (points) "
-        "| without final flush | planned, long run | Δ (points) | stall max | goodput "
+        "| without final flush | planned, long run | Δ (points) | planned interval (steps) "
+        "| folded | stall max | goodput "
         "| wall (s) | final eval loss | vs unlimited | MB sent | link load (Mbit/s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
-    for setting, link, _, mbit, s, u, u_noflush, planned, long_run in rows:
+    for setting, link, _, mbit, s, u, u_noflush, planned, long_run, interval in rows:
         loss = s["final_eval_loss"]
         if link == "unlimited":
             base[setting.name] = loss
@@ -277,11 +293,17 @@ def _table(rows, shown, seconds, args, workload, shaping) -> str:
         lines.append(
             f"| {setting.name} | {link} | {mbit:.3f} | {u:.3f} | {planned:.3f} "
             f"| {100 * (planned - u):+.1f} | {u_noflush:.3f} | {long_run:.3f} "
-            f"| {100 * (long_run - u_noflush):+.1f} | {s['stall_fraction_max']:.4f} | "
+            f"| {100 * (long_run - u_noflush):+.1f} | {_cell(interval)} "
+            f"| {sum(x.get('pushes_folded', 0) for x in s['learners'])} "
+            f"| {s['stall_fraction_max']:.4f} | "
             f"{s.get('goodput', float('nan')):.3f} | {s['wall_s']:.0f} | {loss_cell} | {ratio} | "
             f"{s['bytes_sent'] / 1e6:.1f} | {link_load_mbit(s):.3f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _cell(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:.0f}"
 
 
 def _plot(rows, learners: int, workload, path: pathlib.Path) -> None:

@@ -23,16 +23,25 @@ The model (a closed form, not a simulation) and every assumption it makes:
   backward pass (no overlap across steps). Through a syncer the merge needs every learner's
   push before any pull can start, so up and down follow each other: `n * 2 * dp_bits` (the
   duplex max counted half of it; not yet held against a measured diloco run).
-* `streaming` (Streaming DiLoCo / this framework's decoupled mode): P fragments of N/P parameters,
+* `streaming` (Streaming DiLoCo): P fragments of N/P parameters,
   each synced every H steps at staggered offsets, at `bits` (4 = FP4/int4 outer gradients). A
   fragment's transfer may run for `tau` further steps plus one backward pass before the learner
   needs the merged values; beyond that window the learner waits. Transfers share the link one at a
   time, so if P transfers do not fit in H steps the link is the bottleneck:
   `wall per H steps = max(H t + P * max(0, c_p - (tau + backward_fraction) t), P * c_p)`.
+* `decoupled` (this framework's decoupled mode, as it runs): the same fragments and transfers as
+  `streaming`, but the learner never waits for them: a push that cannot leave yet is folded
+  into the next one (the outbox), merges are applied when they arrive. A long run's utilisation
+  is 1; what a slow link costs is staleness, each fragment synced every
+  `sync_interval_steps = max(H, P * c_p / t)` steps instead of H. (Measured behind kernel rate
+  limits, tools/bench_wan.py: 0.999-1.000 without the final flush at every scaled rate, where
+  `streaming`'s wait predicted 0.88 at the slowest; that is why this mode exists.)
 * A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
   with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
-  T/H rounds; for `diloco` it replaces the last round's push and pull. (Behind kernel rate
-  limits, tools/bench_wan.py: decoupled e3m0 runs of 200 steps lost 3-43% to it and nothing
+  T/H rounds; for `diloco` it replaces the last round's push and pull; for `decoupled`, the
+  fragment in flight at the end goes first (`min(P c_p / (H t), 1) * c_p`, the share of time
+  the link is busy times one transfer). (Behind kernel rate
+  limits, tools/bench_wan.py: decoupled e3m0 runs of 200 steps lost 2-25% to it and nothing
   else.) The initial pull of the global parameters happens before the first step and
   is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
@@ -50,7 +59,7 @@ import argparse
 import dataclasses
 import math
 
-MODES = ("dp", "diloco", "streaming")
+MODES = ("dp", "diloco", "streaming")  # the tables; `utilisation` also takes "decoupled"
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 _SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -168,7 +177,24 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
             return h * t / wall
         flush = args.latency_s + args.params * args.bits / (gbps * 1e9)  # all P, up only
         return rounds * h * t / (rounds * wall + flush)
-    raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    if mode == "decoupled":
+        if not rounds:
+            return 1.0
+        p = args.fragments
+        c = _transfer_s(args, args.params / p, args.bits, gbps)
+        # The final pushes wait for the fragment in flight, if any: the link is busy a share
+        # P c_p / (H t) of the time (all of it when behind), and that transfer goes first.
+        busy = min(p * c / (h * t), 1.0)
+        flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + busy * c
+        return rounds * h * t / (rounds * h * t + flush)
+    raise ValueError(f"unknown mode {mode!r}; expected one of {(*MODES, 'decoupled')}")
+
+
+def sync_interval_steps(args: LinkPlan, gbps: float) -> float:
+    """Steps between a fragment's syncs in decoupled mode: H, or longer when the link is behind."""
+    _positive("bandwidth", gbps)
+    c = _transfer_s(args, args.params / args.fragments, args.bits, gbps)
+    return max(float(args.inner_steps), args.fragments * c / args.step_time_s)
 
 
 def bandwidth_for(args: LinkPlan, mode: str, target: float) -> float:
