@@ -149,3 +149,6 @@ def test_decoupled_never_waits_its_slow_link_shows_as_a_longer_sync_interval():
     )
     with pytest.raises(ValueError, match="decoupled"):
         utilisation(plan, "async", 1e-3)
+    # It keeps up (P c_p <= H t) from 2 * 4 Mbit / 10 s = 0.8 Mbit/s.
+    assert pb.plan(plan)["decoupled"]["gbps_to_keep_up"] == pytest.approx(0.8e-3)
+    assert sync_interval_steps(plan, 0.8e-3) == pytest.approx(10.0)

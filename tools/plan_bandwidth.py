@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{_fmt(v):>7s}" for k, v in row.items() if k.startswith("gbps_for"))
         extra = f"  {100 * row['utilisation']:.1f}%" if "utilisation" in row else ""
         print(f"{mode:10s} {cells}{extra}")
+    d = out["decoupled"]
+    at = f"; at {args.bandwidth_gbps:g} Gbit/s every {d['sync_interval_steps']:.0f} steps" if (
+        "sync_interval_steps" in d) else ""  # fmt: skip
+    print(f"decoupled  never waits; syncs every H={args.inner_steps} steps from "
+          f"{_fmt(d['gbps_to_keep_up'])} Gbit/s{at}")  # fmt: skip
     return 0
 
 

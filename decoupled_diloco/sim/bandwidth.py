@@ -197,6 +197,14 @@ def sync_interval_steps(args: LinkPlan, gbps: float) -> float:
     return max(float(args.inner_steps), args.fragments * c / args.step_time_s)
 
 
+def bandwidth_to_keep_up(args: LinkPlan) -> float:
+    """Smallest bandwidth (Gbit/s) at which decoupled syncs every H steps; inf when none does."""
+    p = args.fragments
+    wire = (_transfer_s(args, args.params / p, args.bits, 1.0) - args.latency_s) * 1e9
+    room = args.inner_steps * args.step_time_s - p * args.latency_s
+    return p * wire / room / 1e9 if room > 0 else math.inf
+
+
 def bandwidth_for(args: LinkPlan, mode: str, target: float) -> float:
     """Smallest bandwidth (Gbit/s) giving utilisation >= target; inf when none does."""
     if not 0.0 < target < 1.0:
@@ -224,6 +232,11 @@ def plan(args: LinkPlan) -> dict:
         if args.bandwidth_gbps:
             row["utilisation"] = utilisation(args, mode, args.bandwidth_gbps)
         out[mode] = row
+    # Decoupled never waits (utilisation 1 in a long run): what its link decides is how often
+    # each fragment syncs.
+    out["decoupled"] = {"gbps_to_keep_up": bandwidth_to_keep_up(args)}
+    if args.bandwidth_gbps:
+        out["decoupled"]["sync_interval_steps"] = sync_interval_steps(args, args.bandwidth_gbps)
     if args.topology == "syncer":
         # The syncer (all shards together) carries every learner's traffic.
         gb95 = out["streaming"].get("gbps_for_95pct")
