@@ -52,6 +52,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = "experiments/configs/tiny_lm_decoupled.py"
 SCALED_GBPS = (5.0, 2.0, 1.0, 0.5)
 QUICK_DP_STEPS = 20
+LONG_STEP_S = 150.0  # see `_dp_steps`
 # Chunks that cross the slowest link here (0.5 Gbit/s scaled: ~0.16 Mbit/s) in ~3 s, well
 # within the streams' idle cut (`config.checks`: half of min(stream_idle_s, rpc_timeout_s)).
 CHUNK_BYTES = 64 << 10
@@ -186,10 +187,22 @@ def _workload(ref: bandwidth.Workload, setting: Setting, free: dict) -> bandwidt
     return dataclasses.replace(ref, step_time_s=step_time(free), inner_steps=free["inner_steps"])
 
 
-def _dp_steps(setting: Setting, w: bandwidth.Workload, learners: int, gbps: float) -> int:
-    """Steps a limited dp run takes: the compiling one plus ~2 minutes of planned steps (>= 1)."""
+def _dp_steps(
+    setting: Setting, w: bandwidth.Workload, learners: int, gbps: float
+) -> tuple[int, dict[str, object]]:
+    """Steps of a limited dp run, and its overrides beyond the setting's.
+
+    The steps: the compiling one plus ~2 minutes of planned steps (at least one).
+
+    Where a planned step is over `LONG_STEP_S`, the island's heartbeat timeout is three planned
+    steps: at the scaled 0.5 Gbit/s the all-reduce starved JAX's coordination heartbeats past
+    the default 10 s, and the island was stopped and restarted at every step (a crash loop).
+    """
     per_step = w.step_time_s / setting.planned(w, learners, gbps)
-    return 1 + max(1, min(10, math.floor(120 / per_step)))
+    extra = (
+        {"decoupled.island_heartbeat_s": math.ceil(3 * per_step)} if per_step > LONG_STEP_S else {}
+    )
+    return 1 + max(1, min(10, math.floor(120 / per_step))), extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     gbps_list = (2.0,) if args.quick else SCALED_GBPS
     t0 = time.time()
 
-    def run(setting: Setting, tag: str, steps: int, mbit: float = 0.0) -> dict:
-        overrides = setting.overrides(args.learners, steps, batch)
+    def run(setting: Setting, tag: str, steps: int, mbit: float = 0.0, **extra: object) -> dict:
+        overrides = {**setting.overrides(args.learners, steps, batch), **extra}
         if mbit:
             overrides["decoupled.wan_mbit"] = round(mbit, 4)
         if setting.kind == "dp" and mbit:  # (the one sync at the end: 8x fewer bytes)
@@ -239,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         for gbps in gbps_list:
             mbit = bandwidth.scaled_bandwidth(gbps * 1e9, bandwidth.PAPER_12B, workload) / 1e6
             if setting.kind == "dp":
-                s = run(setting, f"{gbps:g}gbps", _dp_steps(setting, w, args.learners, mbit / 1e3),
-                        mbit)  # fmt: skip
+                steps, extra = _dp_steps(setting, w, args.learners, mbit / 1e3)
+                s = run(setting, f"{gbps:g}gbps", steps, mbit, **extra)
                 u = u_noflush = w.step_time_s / step_time(s, net_of_waits=False)
             else:
                 s = run(setting, f"{gbps:g}gbps", args.steps, mbit)

@@ -62,6 +62,7 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
     )
     _check(0 <= d.grace_safety <= 1, "decoupled.grace_safety", "gamma must be in [0, 1]")
     _check(d.island_processes >= 1, "decoupled.island_processes", "must be >= 1")
+    _check(d.island_heartbeat_s >= 1, "decoupled.island_heartbeat_s", "must be >= 1 (seconds)")
     _check(
         d.island_processes == 1 or not d.dynamic_local_updates,
         "decoupled.island_processes",

@@ -301,6 +301,10 @@ class DecoupledConfig:
         (`jax.distributed`); the local launcher starts this many per learner (on 127.0.0.1,
         or each in a site of its own, `wan_sites`). 1: one process per island. See
         decoupled_diloco/learner/multihost.py.
+      island_heartbeat_s: a multi-process island's processes are all stopped (and restarted
+        together) when one misses JAX's coordination heartbeats for this many seconds. Raise
+        it where the island's own links are slow: across sites (`wan_sites="process"`) a
+        gradient all-reduce that fills a slow link starves them (seen: 10 s at 0.15 Mbit/s).
       wan_mbit: the local launcher puts each learner in its own network namespace behind a
         kernel rate limit (`tc tbf`, this many Mbit/s each way; needs root and iproute2, else
         the learners' links are paced in-process and the launcher says so); 0: no limit.
@@ -325,6 +329,7 @@ class DecoupledConfig:
     dynamic_local_updates: bool = False
     stale_anchor: str = "learner"
     island_processes: int = 1
+    island_heartbeat_s: int = 10
     wan_mbit: float = 0.0
     wan_sites: str = "learner"
     syncer: SyncerConfig = SyncerConfig()

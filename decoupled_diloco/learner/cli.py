@@ -44,7 +44,7 @@ def main(argv: list[str], warm: Any = None) -> None:
         from decoupled_diloco.learner import multihost
 
         group = multihost.ProcessGroup(values.coordinator, values.num_processes, values.process_id)
-        multihost.initialize(group)
+        multihost.initialize(group, config.decoupled.island_heartbeat_s)
         learner = multihost.MultihostLearner(
             config,
             values.learner_id,

@@ -26,9 +26,10 @@ the fastest learner's step time, which only the leader hears).
 
 Failures: losing any process takes the whole island down. A peer blocked in a collective with a
 dead process gets an error, and JAX's coordination service aborts every task of the island once
-a heartbeat is missed for `heartbeat_timeout_s`. The island is then restarted as a whole (all P
-processes, by the launcher, Kubernetes or the operator) and rejoins like a restarted
-single-process learner: it registers again and takes the current global fragments.
+a heartbeat is missed for `heartbeat_timeout_s` (`decoupled.island_heartbeat_s`). The island
+is then restarted as a whole (all P processes, by the launcher, Kubernetes or the operator) and
+rejoins like a restarted single-process learner: it registers again and takes the current
+global fragments.
 """
 
 from __future__ import annotations
