@@ -21,7 +21,8 @@ step, which a long run amortises. The planner (`sim.bandwidth.utilisation`) pred
 the run's length, final flush included, and for a long run. A decoupled learner never waits for
 its link (its mode `decoupled` says 1 for a long run); a slow link shows instead as a longer
 interval between a fragment's syncs (`sim.bandwidth.sync_interval_steps`, "planned interval")
-and as pushes folded into later ones because the link was still busy ("folded", measured). For
+and, measured, as pushes the syncer refused as too stale ("late") and last pushes still unsent
+when the flush's bound ran out ("unsent"). For
 dp the wait is inside XLA's step, so utilisation is the unlimited run's step time over the
 limited one's. A dp step behind a scaled link takes minutes, so limited dp runs time a few steps
 (`_dp_steps`); their loss is the unlimited run's (dp's math does not depend on the link). "Link
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     root, batch = pathlib.Path(args.workdir), runs.resolve(CONFIG).data.batch_size
     gbps_list = (2.0,) if args.quick else SCALED_GBPS
     t0 = time.time()
+    counts = {"run": 0, "reused": 0}  # (the reference run counts again as its setting's row)
 
     def run(setting: Setting, tag: str, steps: int, mbit: float = 0.0, **extra: object) -> dict:
         overrides = {**setting.overrides(args.learners, steps, batch), **extra}
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if setting.kind == "dp" and mbit:  # (the one sync at the end: 8x fewer bytes)
             overrides["compression.scheme"] = "e3m0"
         workdir = root / setting.name.replace(" ", "_").replace("=", "") / tag
+        counts["reused" if runs.finished(workdir, runs.resolve(CONFIG, overrides)) else "run"] += 1
         return runs.run_or_reuse(CONFIG, overrides, workdir, tag="bench_wan")
 
     # The links' rates come from this model's own decoupled run (unlimited): its N, H, step time.
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             link = f"scaled {gbps:g} Gbit/s"
             rows.append((setting, link, gbps, mbit, s, u, u_noflush, planned, long_run, interval))
 
-    text = _table(rows, shown, time.time() - t0, args, workload, shaping)
+    text = _table(rows, shown, time.time() - t0, args, workload, shaping, counts)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _plot(rows, args.learners, workload, out.with_suffix(".png"))
@@ -274,10 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _table(rows, shown, seconds, args, workload, shaping) -> str:
+def _table(rows, shown, seconds, args, workload, shaping, counts) -> str:
     lines = [
         "## WAN: training behind kernel rate limits\n",
-        f"`{shown}` ({time.strftime('%Y-%m-%d %H:%M')}, {seconds:.0f} s): {CONFIG}, "
+        f"`{shown}` ({time.strftime('%Y-%m-%d %H:%M')}, {seconds:.0f} s; {counts['run']} runs "
+        f"made, {counts['reused']} reused from earlier invocations, `local.runs`): {CONFIG}, "
         f"{args.learners} sites, {args.steps} steps (equal tokens; limited dp runs time fewer, "
         f"see below); {workload.params / 1e6:.2f}M parameters; step time "
         f"{workload.step_time_s * 1e3:.0f} ms, H = {workload.inner_steps} (the first unlimited "
@@ -286,7 +290,7 @@ def _table(rows, shown, seconds, args, workload, shaping) -> str:
         "and 100B). Each row's command is in its workdir's `summary.json` (`command`).\n",
         "| setting | link | rate here (Mbit/s) | utilisation | planned | Δ (points) "
         "| without final flush | planned, long run | Δ (points) | planned interval (steps) "
-        "| folded | stall max | goodput "
+        "| late / unsent | stall max | goodput "
         "| wall (s) | final eval loss | vs unlimited | MB sent | link load (Mbit/s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -302,7 +306,8 @@ def _table(rows, shown, seconds, args, workload, shaping) -> str:
             f"| {setting.name} | {link} | {mbit:.3f} | {u:.3f} | {planned:.3f} "
             f"| {100 * (planned - u):+.1f} | {u_noflush:.3f} | {long_run:.3f} "
             f"| {100 * (long_run - u_noflush):+.1f} | {_cell(interval)} "
-            f"| {sum(x.get('pushes_folded', 0) for x in s['learners'])} "
+            f"| {sum(x['pushes']['late'] for x in s['learners'])} / "
+            f"{sum(x['pushes_unsent'] for x in s['learners'])} "
             f"| {s['stall_fraction_max']:.4f} | "
             f"{s.get('goodput', float('nan')):.3f} | {s['wall_s']:.0f} | {loss_cell} | {ratio} | "
             f"{s['bytes_sent'] / 1e6:.1f} | {link_load_mbit(s):.3f} |"

@@ -30,18 +30,18 @@ The model (a closed form, not a simulation) and every assumption it makes:
   time, so if P transfers do not fit in H steps the link is the bottleneck:
   `wall per H steps = max(H t + P * max(0, c_p - (tau + backward_fraction) t), P * c_p)`.
 * `decoupled` (this framework's decoupled mode, as it runs): the same fragments and transfers as
-  `streaming`, but the learner never waits for them: a push that cannot leave yet is folded
-  into the next one (the outbox), merges are applied when they arrive. A long run's utilisation
+  `streaming`, but the learner never waits for them: a push that cannot leave yet waits in the
+  outbox while the learner steps on, merges are applied when they arrive. A long run's utilisation
   is 1; what a slow link costs is staleness, each fragment synced every
   `sync_interval_steps = max(H, P * c_p / t)` steps instead of H. (Measured behind kernel rate
-  limits, tools/bench_wan.py: 0.999-1.000 without the final flush at every scaled rate, where
+  limits, tools/bench_wan.py: 0.997-1.000 without the final flush at every scaled rate, where
   `streaming`'s wait predicted 0.88 at the slowest; that is why this mode exists.)
 * A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
   with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
   T/H rounds; for `diloco` it replaces the last round's push and pull; for `decoupled`, the
   fragment in flight at the end goes first (`min(P c_p / (H t), 1) * c_p`, the share of time
   the link is busy times one transfer). (Behind kernel rate
-  limits, tools/bench_wan.py: decoupled e3m0 runs of 200 steps lost 2-25% to it and nothing
+  limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it and nothing
   else.) The initial pull of the global parameters happens before the first step and
   is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
