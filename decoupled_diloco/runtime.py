@@ -12,11 +12,14 @@ timeouts are raised here, as the XLA:CPU flags made for uneven workloads allow.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import pathlib
 import re
 import signal
+import sys
 import time
+from collections.abc import Callable
 
 COLLECTIVE_TIMEOUT_S = 3600
 # The repository's persistent compilation cache (the Makefile and the tests use it too).
@@ -24,6 +27,8 @@ COMPILE_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax
 _PR_SET_PDEATHSIG = 1
 # Set by `local.procs.Processes` in each child's environment: the pid of its parent.
 PARENT_PID_ENV = "DD_PARENT_PID"
+# How long a launcher's clean-up after Ctrl+C or SIGTERM may take before it is cut short.
+SHUTDOWN_S = 45.0
 _TIMEOUT_FLAGS = (
     "--xla_cpu_collective_call_terminate_timeout_seconds",
     "--xla_cpu_collective_timeout_seconds",
@@ -66,6 +71,48 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         return
     if os.getppid() != int(expected):
         os.kill(os.getpid(), sig)  # the parent is already gone
+
+
+def exit_on_signals(shutdown_s: float = SHUTDOWN_S) -> Callable[[], None]:
+    """SIGINT and SIGTERM end this process through its `finally` blocks, within `shutdown_s`.
+
+    For a launcher: SIGINT raises `KeyboardInterrupt` and SIGTERM `SystemExit(143)` (by default
+    SIGTERM ends Python without running `finally`, so children and network namespaces would be
+    left behind). The first of them also arms `faulthandler`'s watchdog: if the clean-up has
+    not ended the process `shutdown_s` later, every thread's stack is written to stderr (where
+    it hung) and the process exits with code 1; the children follow it (`die_with_parent`).
+    SIGUSR1 writes every thread's stack to stderr at any time. Main thread only; returns the
+    function that puts the previous handlers back.
+    """
+    armed: list[bool] = []
+
+    def handler(sig: int, _frame: object) -> None:
+        if not armed:  # (a second signal does not extend the deadline)
+            armed.append(True)
+            exit_within(shutdown_s)
+        if sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        sys.exit(128 + sig)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        faulthandler.unregister(signal.SIGUSR1)
+        if armed:  # cleaned up in time: the caller may go on (a notebook that caught it)
+            faulthandler.cancel_dump_traceback_later()
+
+    return restore
+
+
+def exit_within(shutdown_s: float = SHUTDOWN_S) -> None:
+    """Ends this process `shutdown_s` from now unless it has ended (stacks to stderr, code 1).
+
+    `faulthandler`'s watchdog runs in its own C thread: it fires even if Python is stuck.
+    """
+    faulthandler.dump_traceback_later(shutdown_s, exit=True)
 
 
 def use_compile_cache(default: pathlib.Path = COMPILE_CACHE) -> None:

@@ -17,7 +17,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco.runtime import configure_cpu_devices
+from decoupled_diloco.runtime import configure_cpu_devices, exit_within
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
@@ -47,6 +47,9 @@ def main(argv: list[str]) -> None:
         result = train_and_evaluate(config, _WORKDIR.value, supervised_controls=controls)
     except config_lib.ConfigError as error:  # e.g. too few devices: a message, not a traceback
         raise app.UsageError(str(error)) from None
+    except (KeyboardInterrupt, SystemExit):  # Ctrl+C, SIGTERM: the children are reaped by now
+        exit_within()  # and what is left of the exit is bounded too (`runtime.exit_on_signals`)
+        raise
     s = result.summary
     accuracy = s.get("final_eval_accuracy")
     accuracy_text = f", accuracy {100 * accuracy:.1f}%" if accuracy is not None else ""

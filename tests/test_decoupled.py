@@ -58,16 +58,27 @@ def _children_of(workdir):
 
 
 def _launch(workdir, *args):
+    """The launcher, its output in `workdir/launcher.log` (`_output`).
+
+    A file, not a pipe: a pipe nobody reads while the test waits on the run fills at 64 KiB and
+    then blocks the launcher's next print.
+    """
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["DD_RUN_TOKEN"] = TOKEN
-    return subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY, *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    with (workdir / "launcher.log").open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _output(workdir, tail=3000):
+    """The last `tail` characters the launcher printed."""
+    text = (workdir / "launcher.log").read_text(errors="replace")
+    return text[-tail:] if tail else text
 
 
 def _cleanup(proc, workdir):
@@ -86,8 +97,8 @@ def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
         "--config.eval.every=32",
     )
     try:
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, out[-3000:]
+        proc.wait(timeout=240)
+        assert proc.returncode == 0, _output(tmp_path)
         summary = json.loads((tmp_path / "summary.json").read_text())
         for key in ("mode", "num_learners", "inner_steps", "tokens", "wall_s", "final_eval_loss"):
             assert key in summary
@@ -104,6 +115,7 @@ def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
         assert lines and lines[-1]["learner_states"] == ["done", "done"]
         evals = [x["eval_loss"] for x in lines if "eval_loss" in x]  # of the global parameters
         assert evals and all(e < 5.3 for e in evals)  # ln(256) = 5.55 at init
+        out = _output(tmp_path, None)
         assert "[decoupled]" in out and "final eval loss" in out
         assert _children_of(tmp_path) == []
     finally:
@@ -137,7 +149,16 @@ def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path
         assert learners["1"]["step"] <= steps // 2, learners["1"]
         assert proc.poll() is None and _children_of(tmp_path)  # the slow learner trains on
         proc.send_signal(signal.SIGINT)  # Ctrl+C
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)  # (the launcher cuts a clean-up that hangs after 45 s)
+        except subprocess.TimeoutExpired as error:
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack, into the log
+            stacks = lambda: "Thread 0x" in _output(tmp_path, None)  # noqa: E731
+            wait_until(stacks, 30, "the launcher's stacks")
+            log = _output(tmp_path, 20000)
+            raise AssertionError(f"Ctrl+C did not end the launcher:\n{log}") from error
+        # Ended by the KeyboardInterrupt, not by the watchdog that cuts a hung clean-up short.
+        assert proc.returncode == -signal.SIGINT, _output(tmp_path, 20000)
         wait_until(lambda: not _children_of(tmp_path), 30, "every child process to exit")
     finally:
         _cleanup(proc, tmp_path)
@@ -219,8 +240,8 @@ def test_outside_kills_of_a_learner_the_syncer_and_a_flushing_learner_are_healed
         finally:
             os.kill(syncer, signal.SIGCONT)
         client.close()
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out[-3000:]
+        proc.wait(timeout=600)
+        assert proc.returncode == 0, _output(tmp_path)
         summary = json.loads((tmp_path / "summary.json").read_text())
         crashes = _events(tmp_path, "crash")
         assert [c["process"] for c in crashes] == ["learner_1", "syncer", "learner_1"], crashes

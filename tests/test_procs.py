@@ -79,3 +79,41 @@ def test_a_process_started_by_hand_is_left_alone():
     )
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.split() == ["0"]  # no parent-death signal set
+
+
+# A launcher whose clean-up after Ctrl+C hangs (`hung_clean_up`), with a 3 s bound on it.
+HUNG = textwrap.dedent("""
+    import threading, time
+    from decoupled_diloco import runtime
+
+    def hung_clean_up():
+        threading.Event().wait()
+
+    restore = runtime.exit_on_signals(shutdown_s=3)
+    print("ready", flush=True)
+    try:
+        time.sleep(600)
+    finally:
+        hung_clean_up()
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_hung_clean_up_after_a_signal_is_cut_short_with_its_stacks(sig):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HUNG],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err  # faulthandler's exit, not the signal's
+        assert "Timeout (0:00:03)!" in err and "in hung_clean_up" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

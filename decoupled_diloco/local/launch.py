@@ -18,7 +18,6 @@ import os
 import pathlib
 import secrets
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ import jax
 import numpy as np
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import tasks
+from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
@@ -168,10 +167,10 @@ def run_decoupled(
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
     injector = monitor = None
-    previous, failed = None, False
+    restore_signals, failed = None, False
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM would otherwise end Python without running `finally`: turn it into an exit.
-        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        # Ctrl+C and SIGTERM run the `finally` below (children, namespaces), within a bound.
+        restore_signals = runtime.exit_on_signals()
     shaping = wan.Shaping()
     try:
         shaping = _shaping(config, workdir, schedule)
@@ -254,8 +253,8 @@ def run_decoupled(
                 links = {} if failed else shaping.report()  # (the kernel's counts, then gone)
             finally:
                 shaping.close()  # (after the children are gone; even if a signal cut the above)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if restore_signals is not None:
+            restore_signals()
         if failed and monitor is not None:  # (after the children are gone: never delays them)
             monitor.stop()
     summary = {

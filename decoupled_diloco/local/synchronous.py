@@ -11,10 +11,12 @@ import json
 import os
 import pathlib
 import sys
+import threading
 import time
 from typing import Any
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco import runtime
 from decoupled_diloco.local.procs import Processes
 from decoupled_diloco.local.supervisor import (
     CHILD_ENV,
@@ -59,6 +61,10 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
         f"--workdir={workdir}",
     ]
     injector = None
+    # Ctrl+C and SIGTERM run the `finally` below (the child is reaped), within a bound.
+    restore_signals = (
+        runtime.exit_on_signals() if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         supervisor.add("trainer", command, learners=range(config.num_learners))
         supervisor.start_thread()
@@ -71,6 +77,8 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
             injector.halt.set()
         supervisor.stop()
         procs.reap()
+        if restore_signals is not None:
+            restore_signals()
     summary = json.loads((workdir / "summary.json").read_text())
     summary.update(chaos_summary(workdir, log, t_end=time.time()))
     summary["wall_s"] = time.monotonic() - t0
