@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -29,6 +31,22 @@ def wait_until(predicate: Callable[[], T], timeout_s: float, what: str, poll_s: 
             return value
         time.sleep(poll_s)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def popen_logged(command: Sequence[str], log: pathlib.Path, **kwargs) -> subprocess.Popen:
+    """Starts `command` with its stdout and stderr in the file `log` (read it with `tail`).
+
+    A file, not a pipe: a pipe nobody reads while a test waits on the run fills at 64 KiB and
+    then blocks the process at its next print.
+    """
+    with log.open("wb") as out:
+        return subprocess.Popen(list(command), stdout=out, stderr=subprocess.STDOUT, **kwargs)
+
+
+def tail(log: pathlib.Path, chars: int | None = 3000) -> str:
+    """The last `chars` characters of a `popen_logged` log (None: all of it)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return text[-chars:] if chars else text
 
 
 # The staggered schedule, stated as its rule (the package keeps only "next due step").

@@ -24,7 +24,7 @@ from flax import nnx
 
 import decoupled_diloco as dd
 from experiments.examples import mnist_cnn, own_loop
-from tests.helpers import wait_until
+from tests.helpers import popen_logged, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 20
@@ -316,13 +316,12 @@ def test_own_loop_syncs_through_a_syncer_started_from_the_command_line(tmp_path)
     procs = []
     try:
         procs.append(
-            subprocess.Popen(
+            popen_logged(
                 [sys.executable, "-m", "decoupled_diloco.syncer", "--port=0"]
                 + [f"--port_file={port_file}", *config_args],
+                tmp_path / "syncer.log",
                 cwd=ROOT,
                 env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
             )
         )
         wait_until(port_file.exists, 120, "the syncer's port file")

@@ -16,7 +16,7 @@ import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
-from tests.helpers import wait_until
+from tests.helpers import popen_logged, tail, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multiprocess-test-token"
@@ -58,27 +58,16 @@ def _children_of(workdir):
 
 
 def _launch(workdir, *args):
-    """The launcher, its output in `workdir/launcher.log` (`_output`).
-
-    A file, not a pipe: a pipe nobody reads while the test waits on the run fills at 64 KiB and
-    then blocks the launcher's next print.
-    """
+    """The launcher, its output in `workdir/launcher.log` (`_output`)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["DD_RUN_TOKEN"] = TOKEN
-    with (workdir / "launcher.log").open("wb") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY, *args],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    command = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY, *args]
+    return popen_logged(command, workdir / "launcher.log", cwd=ROOT, env=env)
 
 
-def _output(workdir, tail=3000):
-    """The last `tail` characters the launcher printed."""
-    text = (workdir / "launcher.log").read_text(errors="replace")
-    return text[-tail:] if tail else text
+def _output(workdir, chars=3000):
+    """The last `chars` characters the launcher printed (None: all)."""
+    return tail(workdir / "launcher.log", chars)
 
 
 def _cleanup(proc, workdir):

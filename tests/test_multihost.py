@@ -18,7 +18,7 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.learner.multihost import ProcessGroup, local_device_count
 from decoupled_diloco.local import commands
-from tests.helpers import wait_until
+from tests.helpers import popen_logged, tail, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multihost-test-token"
@@ -114,7 +114,7 @@ def test_multihost_islands_train_to_the_end_and_losing_one_process_restarts_only
     island's checkpoint collectively and rejoin, while island 0 trains on untouched; the run
     then ends with both processes of each island in lockstep."""
     steps = 64
-    proc = subprocess.Popen(
+    proc = popen_logged(
         [
             sys.executable,
             "-m",
@@ -123,11 +123,9 @@ def test_multihost_islands_train_to_the_end_and_losing_one_process_restarts_only
             *TINY,
             f"--config.train_steps={steps}",
         ],
+        tmp_path / "launcher.log",
         cwd=ROOT,
         env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
     client = None
     try:
@@ -146,8 +144,8 @@ def test_multihost_islands_train_to_the_end_and_losing_one_process_restarts_only
             lambda: _pids(tmp_path, "--learner_id=1", "--process_id=1"), 30, "island 1's p1"
         )
         os.kill(victim[0], 9)
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out[-3000:]
+        proc.wait(timeout=600)
+        assert proc.returncode == 0, tail(tmp_path / "launcher.log")
     finally:
         if client is not None:
             client.close()
