@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 COLLECTIVE_TIMEOUT_S = 3600
 # The repository's persistent compilation cache (the Makefile and the tests use it too).
@@ -95,12 +96,15 @@ def exit_on_signals(shutdown_s: float = SHUTDOWN_S) -> Callable[[], None]:
         sys.exit(128 + sig)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stderr = _stderr()
+    if stderr is not None:
+        faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
 
     def restore() -> None:
         for sig, old in previous.items():
             signal.signal(sig, old)
-        faulthandler.unregister(signal.SIGUSR1)
+        if stderr is not None:
+            faulthandler.unregister(signal.SIGUSR1)
         if armed:  # cleaned up in time: the caller may go on (a notebook that caught it)
             faulthandler.cancel_dump_traceback_later()
 
@@ -112,7 +116,24 @@ def exit_within(shutdown_s: float = SHUTDOWN_S) -> None:
 
     `faulthandler`'s watchdog runs in its own C thread: it fires even if Python is stuck.
     """
-    faulthandler.dump_traceback_later(shutdown_s, exit=True)
+    stderr = _stderr()
+    if stderr is not None:
+        faulthandler.dump_traceback_later(shutdown_s, exit=True, file=stderr)
+
+
+def _stderr() -> Any:
+    """This process's stderr as a file with a descriptor (`faulthandler` writes to the fd).
+
+    Under a capture (pytest, a notebook) `sys.stderr` has none: then the process's own fd 2
+    (`sys.__stderr__`); None where there is no such file either.
+    """
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+            return stream
+        except (AttributeError, OSError, ValueError):
+            continue
+    return None
 
 
 def use_compile_cache(default: pathlib.Path = COMPILE_CACHE) -> None:
