@@ -84,6 +84,11 @@ def exit_on_signals(shutdown_s: float = SHUTDOWN_S) -> Callable[[], None]:
     it hung) and the process exits with code 1; the children follow it (`die_with_parent`).
     SIGUSR1 writes every thread's stack to stderr at any time. Main thread only; returns the
     function that puts the previous handlers back.
+
+    SIGINT is handled even where it was inherited ignored: a background job of a
+    non-interactive shell (`cmd &` in a script, some CI runners) starts with SIGINT ignored,
+    and Python keeps that, so such a launcher could not be stopped with Ctrl+C or `kill -INT`:
+    it trained on to its end (seen in a test under CI, and in a WAN benchmark run).
     """
     armed: list[bool] = []
 

@@ -57,11 +57,20 @@ def _children_of(workdir):
     return pids
 
 
-def _launch(workdir, *args):
+# Execs the command in argv[1:] with SIGINT ignored, as `cmd &` in a script (or a CI runner)
+# starts it: Python keeps an inherited SIG_IGN.
+_SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(2, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"  # noqa: E501
+)
+
+
+def _launch(workdir, *args, sigint_ignored=False):
     """The launcher, its output in `workdir/launcher.log` (`_output`)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["DD_RUN_TOKEN"] = TOKEN
     command = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY, *args]
+    if sigint_ignored:
+        command = [sys.executable, "-c", _SIGINT_IGNORED, *command]
     return popen_logged(command, workdir / "launcher.log", cwd=ROOT, env=env)
 
 
@@ -119,6 +128,8 @@ def test_slow_learner_does_not_slow_the_other_and_ctrl_c_leaves_nothing(tmp_path
         "--config.decoupled.quorum=1",
         "--config.slow_learner=1",
         "--config.slowdown=5",
+        # Ctrl+C must stop it even so (it did not: the launcher then trained on to its end).
+        sigint_ignored=True,
     )
     try:
         port_file = tmp_path / "syncer.port"

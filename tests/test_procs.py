@@ -81,14 +81,16 @@ def test_a_process_started_by_hand_is_left_alone():
     assert proc.returncode == 0 and out.split() == ["0"]  # no parent-death signal set
 
 
-# A launcher whose clean-up after Ctrl+C hangs (`hung_clean_up`), with a 3 s bound on it.
+# A launcher whose clean-up after Ctrl+C hangs (`hung_clean_up`), with a 3 s bound on it; it
+# started with SIGINT ignored, as `cmd &` in a non-interactive shell starts it.
 HUNG = textwrap.dedent("""
-    import threading, time
+    import signal, threading, time
     from decoupled_diloco import runtime
 
     def hung_clean_up():
         threading.Event().wait()
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a script inherits it
     restore = runtime.exit_on_signals(shutdown_s=3)
     print("ready", flush=True)
     try:
