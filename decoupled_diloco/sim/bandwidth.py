@@ -40,9 +40,11 @@ The model (a closed form, not a simulation) and every assumption it makes:
   with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
   T/H rounds; for `diloco` it replaces the last round's push and pull; for `decoupled`, the
   fragment in flight at the end goes first (`min(P c_p / (H t), 1) * c_p`, the share of time
-  the link is busy times one transfer). (Behind kernel rate
-  limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it and nothing
-  else.) The initial pull of the global parameters happens before the first step and
+  the link is busy times one transfer); a link that is behind (P c_p > H t) has queued
+  `(P c_p / (H t) - 1) T t` seconds of older pushes by then (at most `P (max_unsent + 1) c_p`,
+  what the outbox keeps), sent first; the flush waits at most `flush_timeout_s`. (Behind
+  kernel rate limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it
+  and nothing else.) The initial pull of the global parameters happens before the first step and
   is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
   for a target utilisation is found by bisection; `inf` when latency alone rules the target out.
@@ -95,6 +97,10 @@ class LinkPlan:
       bandwidth_gbps: the link, for its utilisation; 0: only the bandwidth each target needs.
       targets: utilisation targets.
       run_steps: T, the run's length, whose final flush then counts (0: a long run).
+      max_unsent: decoupled: pushes a learner's outbox keeps waiting per fragment
+        (`decoupled.syncer.max_unsent`), which bounds the backlog of a link that is behind.
+      flush_timeout_s: decoupled: the longest a learner's final flush waits (2 ×
+        `decoupled.syncer.rpc_timeout_s`); 0: no bound.
     """
 
     params: float = 1e9
@@ -112,6 +118,8 @@ class LinkPlan:
     bandwidth_gbps: float = 0.0
     targets: tuple[float, ...] = TARGETS
     run_steps: int = 0
+    max_unsent: int = 4
+    flush_timeout_s: float = 120.0
 
 
 def parse_count(text: str) -> float:
@@ -184,8 +192,15 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
         c = _transfer_s(args, args.params / p, args.bits, gbps)
         # The final pushes wait for the fragment in flight, if any: the link is busy a share
         # P c_p / (H t) of the time (all of it when behind), and that transfer goes first.
-        busy = min(p * c / (h * t), 1.0)
-        flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + busy * c
+        demand = p * c / (h * t)
+        # Behind (demand > 1), pushes queue faster than the link sends them: the backlog at
+        # the end, bounded by the outbox (`max_unsent` waiting + 1 in flight per fragment),
+        # goes out before the final pushes; the learner gives up after `flush_timeout_s`.
+        backlog = min((demand - 1.0) * rounds * h * t, p * (args.max_unsent + 1) * c)
+        flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + min(demand, 1.0) * c
+        flush += max(backlog, 0.0)
+        if args.flush_timeout_s:
+            flush = min(flush, args.flush_timeout_s)
         return rounds * h * t / (rounds * h * t + flush)
     raise ValueError(f"unknown mode {mode!r}; expected one of {(*MODES, 'decoupled')}")
 
