@@ -510,3 +510,32 @@ def test_register_refuses_learner_ids_outside_num_learners_from_a_proto_client(s
         f"INVALID_ARGUMENT learner id -1 is not in [0, {num})",
     ]
     assert server.state.learners == {}  # nothing registered
+
+
+def test_a_learner_claiming_tiny_steps_cannot_shrink_the_others_h():
+    """DyLU scales every learner's H by the fastest step time: the syncer floors each claim at
+    half the pace it saw in that learner's heartbeats (steps over its own clock)."""
+    from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.syncer.state import PACE_WINDOW_S, SyncerState
+
+    config = _config()
+    cut, values = initial_fragments(config)
+    clock = _Clock()
+    state = SyncerState(config, cut, values, clock=clock)
+    for i in (0, 1):
+        state.register(i, "1x1")
+    # Both step once a second; learner 1 claims a microsecond per step.
+    for t in range(int(3 * PACE_WINDOW_S) + 1):
+        state.heartbeat(0, step=t, step_time_s=1.0)
+        state.heartbeat(1, step=t, step_time_s=1e-6)
+        clock.t += 1.0
+        if t < PACE_WINDOW_S:  # before the syncer has seen a window, the claim is all it has
+            assert state.fastest_step_time() == pytest.approx(1e-6)
+    assert state.fastest_step_time() == pytest.approx(0.5)  # half its real pace, not 1e-6
+    # An honest claim is what counts (it is above half the pace seen): 0.8 s of 1 s per step.
+    state.heartbeat(1, step=int(3 * PACE_WINDOW_S) + 1, step_time_s=0.8)
+    assert state.fastest_step_time() == pytest.approx(0.8)
+    # A restart measures its pace afresh.
+    state.register(1, "1x1")
+    state.heartbeat(1, step=0, step_time_s=1e-6)
+    assert state.fastest_step_time() == pytest.approx(1e-6)

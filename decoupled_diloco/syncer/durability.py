@@ -83,7 +83,8 @@ def snapshot(
     learners = {}
     for i, info in state.learners.items():
         entry = dataclasses.asdict(info)
-        entry.pop("last_seen")
+        for clocked in ("last_seen", "pace_from", "seen_step_s"):  # (this process's clock)
+            entry.pop(clocked)
         learners[str(i)] = entry
     meta = {
         "format": FORMAT,

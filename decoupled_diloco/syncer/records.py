@@ -115,6 +115,10 @@ class LearnerInfo:
     sync_rounds: int = 0
     incarnation: int = -1  # of its last registration (0 for the first); older pushes refused
     dropped_pushes: int = 0  # accepted pushes whose merge was refused (`SyncerState._merge`)
+    # The syncer's own view of its pace: (step, time) where the current window began, and the
+    # wall time per step it saw over the last full window (`SyncerState.heartbeat`).
+    pace_from: tuple[int, float] | None = None
+    seen_step_s: float = 0.0
 
 
 class FragmentState:

@@ -191,17 +191,23 @@ class SyncerState:
         ]
 
     def fastest_step_time(self) -> float:
-        """The shortest recent step time among live learners (0 when none reported yet)."""
+        """The shortest recent step time among live learners (0 when none reported yet).
+
+        Each learner's is the larger of what it claims and half the pace the syncer saw in its
+        heartbeats (`_pace`): a learner that claims tiny steps cannot shrink every other
+        learner's H (DyLU) more than twofold below what it really does.
+        """
         with self.lock:
             live = self.live_learners(self.clock())
-            times = [self.learners[i].step_time_s for i in live if self.learners[i].step_time_s > 0]
-            return min(times, default=0.0)
+            times = [_step_time(self.learners[i]) for i in live]
+            return min((t for t in times if t > 0), default=0.0)
 
     def register(self, learner_id: int, mesh: str) -> tuple[list[int], int]:
         """Registers (or re-registers) a learner; returns the fragment versions, its incarnation."""
         with self.lock:
             info = self.learners.setdefault(learner_id, LearnerInfo())
             info.mesh, info.state, info.last_seen = mesh, "training", self.clock()
+            info.pace_from, info.seen_step_s = None, 0.0  # a restart's pace starts again
             info.incarnation += 1
             # A (re)registration is a new incarnation that numbers its rounds from 0 again:
             # forget the old one's idempotency keys, or its first pushes would look like retries.
@@ -216,8 +222,9 @@ class SyncerState:
             for name, value in fields.items():
                 setattr(info, name, value)
             info.last_seen = self.clock()
+            _pace(info, info.last_seen)
             if info.step_time_s > 0:
-                self.ema_step.update(info.step_time_s)
+                self.ema_step.update(_step_time(info))
             self.lock.notify_all()  # a learner that finished may complete a quorum
             return self.versions()
 
@@ -632,3 +639,23 @@ class SyncerState:
     def status(self) -> dict[str, Any]:
         """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs."""
         return view.status(self)
+
+
+# A learner's pace as the syncer sees it is measured over windows of at least this long.
+PACE_WINDOW_S = 10.0
+
+
+def _pace(info: LearnerInfo, now: float) -> None:
+    """Updates the wall time per step the syncer saw of a learner, over its heartbeats."""
+    if info.pace_from is None or info.step < info.pace_from[0]:
+        info.pace_from = (info.step, now)
+        return
+    step0, t0 = info.pace_from
+    if now - t0 >= PACE_WINDOW_S and info.step > step0:
+        info.seen_step_s = (now - t0) / (info.step - step0)
+        info.pace_from = (info.step, now)
+
+
+def _step_time(info: LearnerInfo) -> float:
+    """A learner's step time for DyLU: its claim, floored at half the pace the syncer saw."""
+    return max(info.step_time_s, info.seen_step_s / 2) if info.step_time_s > 0 else 0.0
