@@ -350,3 +350,27 @@ def test_pictures_of_a_timeline_and_of_goodput_by_mode(tmp_path):
     assert png == tmp_path / "timeline.png" and png.read_bytes()[:4] == b"\x89PNG"
     runs = {"dp": {"goodput": 0.3, "uptime": 0.4}, "decoupled": {"goodput": 0.9, "uptime": 1.0}}
     assert plot_goodput(runs, tmp_path / "goodput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.multiprocess
+def test_a_kill_of_a_carrier_that_just_died_on_its_own_gets_the_repair_time(tmp_path):
+    """A fault's kill that finds its carrier already dead (not yet noticed) takes it as its kill:
+    restarted after the repair time, not after the crash backoff, and no crash is logged."""
+    procs = Processes(tmp_path / "logs", {"PATH": "/usr/bin:/bin"})
+    log = EventLog(tmp_path, time.monotonic())
+    policy = config_lib.SupervisorConfig(restart_backoff_s=30.0)
+    supervisor = Supervisor(procs, tmp_path / "timeline", log, policy)
+    try:
+        child = supervisor.add("learner_0", [sys.executable, "-c", "raise SystemExit(1)"], [0])
+        child.wait(timeout=60)  # dead, and the supervisor's loop (not started) has not seen it
+        before = time.monotonic()
+        assert supervisor.kill_learner(0, repair_s=0.5)
+        restart_at = supervisor.children["learner_0"].restart_at
+        assert restart_at is not None and restart_at - before <= 0.5 + 1.0  # not 30 s
+        supervisor.poll()  # not a death of its own now: no crash, no backoff
+        lines = log.path.read_text().splitlines() if log.path.exists() else []
+        assert not [x for x in lines if '"crash"' in x], lines
+        assert supervisor.children["learner_0"].restart_at == restart_at
+    finally:
+        supervisor.stop()
+        procs.reap()

@@ -305,19 +305,27 @@ class Supervisor:
             carriers = [c for c in self.children.values() if learner in c.learners]
             alive = [c for c in carriers if c.proc is not None and c.proc.poll() is None]
             down = [c for c in carriers if c.restart_at is not None]
-            if not alive and not down:
+            # Died on its own a moment ago, not yet noticed by `poll`: down already, so the
+            # fault takes it as its kill (the repair time, not the crash backoff).
+            dead = [
+                c
+                for c in carriers
+                if c.restart_at is None and c.proc is not None and c.proc.poll() not in (None, 0)
+            ]
+            if not alive and not down and not dead:
                 return False  # finished its share
             for child in alive:
                 child.proc.kill()
                 child.proc.wait()
+            for child in alive + dead:
                 child.killed, child.paused = True, False
             self.down_until[learner] = now + repair_s
             self.timeline.enter("down", t=t, learners=[learner])
-            for child in alive + down:
+            for child in alive + dead + down:
                 healthy = [
                     x for x in child.learners if x != learner and self.down_until.get(x, 0) <= now
                 ]
-                if healthy and child in alive:  # a synchronous group idles during the repair
+                if healthy and child not in down:  # a synchronous group idles during the repair
                     self.timeline.enter("waiting", t=t, learners=healthy)
                 ends = [self.down_until.get(x, 0.0) for x in child.learners]
                 child.restart_at = max([now + repair_s, *ends])
