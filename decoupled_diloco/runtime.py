@@ -18,6 +18,7 @@ import pathlib
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -82,14 +83,17 @@ def exit_on_signals(shutdown_s: float = SHUTDOWN_S) -> Callable[[], None]:
     left behind). The first of them also arms `faulthandler`'s watchdog: if the clean-up has
     not ended the process `shutdown_s` later, every thread's stack is written to stderr (where
     it hung) and the process exits with code 1; the children follow it (`die_with_parent`).
-    SIGUSR1 writes every thread's stack to stderr at any time. Main thread only; returns the
-    function that puts the previous handlers back.
+    SIGUSR1 writes every thread's stack to stderr at any time. Returns the function that puts
+    the previous handlers back; off the main thread (where Python allows no handlers) nothing
+    is installed and it does nothing.
 
     SIGINT is handled even where it was inherited ignored: a background job of a
     non-interactive shell (`cmd &` in a script, some CI runners) starts with SIGINT ignored,
     and Python keeps that, so such a launcher could not be stopped with Ctrl+C or `kill -INT`:
     it trained on to its end (seen in a test under CI, and in a WAN benchmark run).
     """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
     armed: list[bool] = []
 
     def handler(sig: int, _frame: object) -> None:

@@ -92,8 +92,8 @@ HUNG = textwrap.dedent("""
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a script inherits it
     restore = runtime.exit_on_signals(shutdown_s=3)
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)  # (inside the try: a signal from now on runs the finally)
         time.sleep(600)
     finally:
         hung_clean_up()
@@ -119,3 +119,16 @@ def test_a_hung_clean_up_after_a_signal_is_cut_short_with_its_stacks(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_off_the_main_thread_no_handler_is_installed():
+    import threading
+
+    before = signal.getsignal(signal.SIGINT)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(runtime.exit_on_signals()))
+    thread.start()
+    thread.join()
+    assert signal.getsignal(signal.SIGINT) is before
+    got[0]()  # restores nothing, raises nothing
+    assert signal.getsignal(signal.SIGINT) is before

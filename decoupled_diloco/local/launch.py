@@ -19,7 +19,6 @@ import pathlib
 import secrets
 import shutil
 import sys
-import threading
 import time
 from typing import Any
 
@@ -167,10 +166,9 @@ def run_decoupled(
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
     injector = monitor = None
-    restore_signals, failed = None, False
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl+C and SIGTERM run the `finally` below (children, namespaces), within a bound.
-        restore_signals = runtime.exit_on_signals()
+    failed = False
+    # Ctrl+C and SIGTERM run the `finally` below (children, namespaces), within a bound.
+    restore_signals = runtime.exit_on_signals()
     shaping = wan.Shaping()
     try:
         shaping = _shaping(config, workdir, schedule)
@@ -253,8 +251,7 @@ def run_decoupled(
                 links = {} if failed else shaping.report()  # (the kernel's counts, then gone)
             finally:
                 shaping.close()  # (after the children are gone; even if a signal cut the above)
-        if restore_signals is not None:
-            restore_signals()
+        restore_signals()
         if failed and monitor is not None:  # (after the children are gone: never delays them)
             monitor.stop()
     summary = {

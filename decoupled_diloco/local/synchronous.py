@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import sys
-import threading
 import time
 from typing import Any
 
@@ -62,9 +61,7 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
     ]
     injector = None
     # Ctrl+C and SIGTERM run the `finally` below (the child is reaped), within a bound.
-    restore_signals = (
-        runtime.exit_on_signals() if threading.current_thread() is threading.main_thread() else None
-    )
+    restore_signals = runtime.exit_on_signals()
     try:
         supervisor.add("trainer", command, learners=range(config.num_learners))
         supervisor.start_thread()
@@ -77,8 +74,7 @@ def run_synchronous(config: Any, workdir: pathlib.Path) -> dict[str, Any]:
             injector.halt.set()
         supervisor.stop()
         procs.reap()
-        if restore_signals is not None:
-            restore_signals()
+        restore_signals()
     summary = json.loads((workdir / "summary.json").read_text())
     summary.update(chaos_summary(workdir, log, t_end=time.time()))
     summary["wall_s"] = time.monotonic() - t0
