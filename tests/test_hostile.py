@@ -389,6 +389,55 @@ def test_idle_and_excess_streams_do_not_starve_control_calls(hp, server, peer):
     assert_unchanged(server, before, peer)
 
 
+def test_a_pull_behind_flow_control_is_paced_by_its_bytes_not_cut_as_idle(hp):
+    """A reader that pauses past `stream_idle_s` (what a slow link looks like from the server
+    once HTTP/2's window is full) gets its whole reply; one that stops reading is cut once the
+    reply has taken `stream_idle_s` plus its bytes at `min_pull_bytes_per_s`."""
+    config = _config(
+        **{
+            "model.d_model": 128,
+            "model.num_layers": 2,
+            "model.mlp_hidden": 512,
+            "decoupled.fragments": 1,
+            "decoupled.syncer.chunk_bytes": 1 << 16,
+            "decoupled.syncer.min_pull_bytes_per_s": 500_000.0,
+        }
+    )
+    s = SyncerServer(config, host="127.0.0.1", port=0, token=TOKEN).start()
+    # No BDP probing: the reader's window stays at 64 KiB, so the syncer's sends block at once.
+    channel = grpc.insecure_channel(f"127.0.0.1:{s.port}", options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        total = sum(v.nbytes for v in s.state.fragments[0].values)
+        assert total > 2_000_000  # far past the window: the sends wait for the reader
+        call = channel.unary_stream(
+            SERVICE + "Pull",
+            request_serializer=hp.PullRequest.SerializeToString,
+            response_deserializer=hp.FragmentChunk.FromString,
+        )
+        request = hp.PullRequest(learner_id=-1, fragment=0, min_version=0, wait_s=0)
+        md = (("x-dd-run-token", TOKEN),)
+        got = 0
+        for i, chunk in enumerate(call(request, timeout=60, metadata=md)):
+            got += len(chunk.data)
+            if i == 1:  # twice the idle cut with nothing taken (budget: 1 s + 4.5 s of bytes)
+                time.sleep(2.0)
+        assert got == total and s.service.guard.stats()["idle_cuts"] == 0
+        stalled = call(request, timeout=60, metadata=md)
+        next(stalled)  # one chunk, then never another
+        t0 = time.monotonic()
+        deadline = t0 + 30
+        while s.service.guard.stats()["idle_cuts"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert time.monotonic() - t0 < 20  # ~5.5 s budget, cut within the watcher's period
+        with pytest.raises(grpc.RpcError) as cut:  # what was buffered, then the cut
+            sum(len(chunk.data) for chunk in stalled)
+        assert cut.value.code() == grpc.StatusCode.CANCELLED
+        assert s.service.guard.stats()["idle_cuts"] == 1
+    finally:
+        channel.close()
+        s.stop(0)
+
+
 def _code(future):
     try:
         future.result(timeout=60)

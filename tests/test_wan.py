@@ -162,6 +162,11 @@ def test_wan_sites_are_checked_and_an_island_spanning_sites_is_never_paced(tmp_p
     with pytest.raises(config_lib.ConfigError, match=r"chunk_bytes.*use at most 281250 bytes"):
         config_lib.replace(base, **{"decoupled.wan_mbit": 0.15})
     config_lib.replace(base, **{"decoupled.wan_mbit": 0.15, "decoupled.syncer.chunk_bytes": 65536})
+    # A pull must be able to average what the link carries at all.
+    with pytest.raises(config_lib.ConfigError, match=r"min_pull_bytes_per_s.*every pull would"):
+        config_lib.replace(
+            base, **{"decoupled.wan_mbit": 0.05, "decoupled.syncer.chunk_bytes": 16384}
+        )
     monkeypatch.setattr(wan, "available", lambda *a, **k: (False, "not root (test)"))
     with pytest.raises(wan.WanError, match="cannot slow the island's own collectives"):
         wan.shaping_for(2.5, 1, str(tmp_path / "pacer"), island_processes=2, per_process=True)

@@ -107,6 +107,7 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
         s.max_streams_per_learner >= 0, "decoupled.syncer.max_streams_per_learner", "must be >= 0"
     )
     _check(s.stream_idle_s > 0, "decoupled.syncer.stream_idle_s", "must be > 0")
+    _check(s.min_pull_bytes_per_s > 0, "decoupled.syncer.min_pull_bytes_per_s", "must be > 0")
 
 
 def _validate_compression(z: CompressionConfig) -> None:
@@ -175,6 +176,12 @@ def _validate_wan(c: ExperimentConfig) -> None:
             f"{min(s.stream_idle_s, s.rpc_timeout_s):g} s, after which a stream that moves "
             f"nothing is cut; use at most "
             f"{int(min(s.stream_idle_s, s.rpc_timeout_s) / 2 * rate * 1e6 / 8)} bytes",
+        )
+        _check(
+            rate * 1e6 / 8 >= s.min_pull_bytes_per_s,
+            "decoupled.syncer.min_pull_bytes_per_s",
+            f"a pull must average {s.min_pull_bytes_per_s:g} bytes/s, more than the whole link "
+            f"carries at wan_mbit={rate:g} ({rate * 1e6 / 8:g} bytes/s); every pull would be cut",
         )
         spread = c.num_learners * (c.decoupled.island_processes if sites == "process" else 1)
         _check(

@@ -226,7 +226,11 @@ class SyncerConfig:
         if none frees within `stream_idle_s`.
       max_streams_per_learner: data calls one learner may hold open (0: what its link opens at
         most, fragments · (max_unsent + 1) + 2).
-      stream_idle_s: a push or pull stream that moves nothing this long is cut.
+      stream_idle_s: a push stream that moves nothing this long is cut (a pull: see
+        `min_pull_bytes_per_s`).
+      min_pull_bytes_per_s: a pull's reply is cut once it has taken `stream_idle_s` plus its
+        bytes at this rate (the syncer cannot see a reader's pace chunk by chunk behind
+        flow control and socket buffers; `syncer.guard`).
       durable: the local launcher gives every syncer shard a checkpoint directory (write-ahead
         log and snapshots), so that a syncer killed in any way restarts with nothing lost.
     """
@@ -252,6 +256,7 @@ class SyncerConfig:
     max_inflight_bytes: int = 0
     max_streams_per_learner: int = 0
     stream_idle_s: float = 30.0
+    min_pull_bytes_per_s: float = 8192.0
     durable: bool = True
 
 

@@ -13,9 +13,15 @@ control calls (Register, Heartbeat, Status) time out behind them. `Guard` keeps:
   it is buffered; past `max_bytes` in total a push waits for room (its sender is held back by
   gRPC's flow control meanwhile), and is refused (RESOURCE_EXHAUSTED) if none frees within
   the idle bound;
-- **idle cuts**: a stream that moves nothing for `idle_s` seconds (a push that sends no chunk,
-  a pull whose reader takes none) is cancelled; a pull's own bounded wait for a merge is not
-  idleness.
+- **idle cuts**: a push that sends no chunk for `idle_s` seconds is cancelled; a pull's own
+  bounded wait for a merge is not idleness;
+- **pull budgets**: a pull's reply may take `idle_s` plus its bytes at `min_pull_rate` bytes
+  per second, then it is cancelled. A reply chunk that gRPC's flow control holds back does
+  not count as idle: between the HTTP/2 window and the kernel's socket buffers, a reader on a
+  slow link (which takes every byte as it arrives) and a reader that takes nothing look the
+  same to the server for many seconds at a time (a send returns only once a socket buffer
+  of megabytes has drained by a third), so what a reader must keep up is a pace averaged
+  over the whole reply, not a gap between chunks.
 
 Refusals name the limit and the config field that sets it.
 """
@@ -44,14 +50,20 @@ class Activity:
         self.last = guard.clock()
         self.reserved = 0
         self.idle_cut = False
+        self.until: float | None = None  # cut after this, held or not (a pull's budget)
 
     def touch(self) -> None:
         """The stream moved (a chunk arrived or left)."""
         self.last = self.guard.clock()
 
     def hold(self) -> None:
-        """Exempts the call from the idle cut until the next `touch` (a bounded server wait)."""
+        """Exempts the call from the idle cut until the next `touch` (a bounded wait)."""
         self.last = None
+
+    def budget(self, nbytes: int) -> None:
+        """Bounds a reply of `nbytes` from now to `idle_s` plus its bytes at the minimum rate."""
+        g = self.guard
+        self.until = g.clock() + g.idle_s + nbytes / g.min_pull_rate
 
     def reserve(self, nbytes: int) -> None:
         """Reserves `nbytes` of push buffer, waiting up to the idle bound for room.
@@ -98,6 +110,7 @@ class Guard:
       operator_calls: data calls at once with the run token.
       max_bytes: push payload bytes buffered at once, all pushes together.
       idle_s: a push stream idle this long is cancelled.
+      min_pull_rate: the bytes per second a pull's reply must average (`budget`).
       clock: time source.
     """
 
@@ -108,9 +121,11 @@ class Guard:
         max_bytes: int,
         idle_s: float,
         operator_calls: int = 0,
+        min_pull_rate: float = 8192.0,
         clock: Any = time.monotonic,
     ):
         self.operator_calls = operator_calls or per_caller
+        self.min_pull_rate = min_pull_rate
         self.slots, self.per_caller, self.max_bytes, self.idle_s = (
             slots,
             per_caller,
@@ -172,10 +187,25 @@ class Guard:
         while not self._stop.wait(period):
             now = self.clock()
             with self.lock:
-                idle = [a for a in self.active if a.last is not None and now - a.last > self.idle_s]
+                idle = [
+                    a
+                    for a in self.active
+                    if (a.last is not None and now - a.last > self.idle_s)
+                    or (a.until is not None and now > a.until)
+                ]
             for activity in idle:
+                over = activity.until is not None and now > activity.until
+                logging.warning(
+                    "[syncer] %s cut: %s",
+                    activity.kind or "call",
+                    "its reply took longer than stream_idle_s plus its bytes at "
+                    "decoupled.syncer.min_pull_bytes_per_s"
+                    if over
+                    else f"nothing moved for {self.idle_s:g} s (decoupled.syncer.stream_idle_s)",
+                )
                 activity.idle_cut = True
                 activity.hold()  # cut once
+                activity.until = None
                 self.idle_cuts += 1
                 activity.context.cancel()
 

@@ -88,6 +88,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             operator_calls=per_learner * (config.num_learners + 1),
             max_bytes=s.max_inflight_bytes or 2 * config.num_learners * largest,
             idle_s=s.stream_idle_s,
+            min_pull_rate=s.min_pull_bytes_per_s,
         )
         # Control calls have threads of their own (`CONTROL_THREADS` beyond M per learner): a
         # learner may hold 2 at once (a heartbeat and a registration), the run token 8.
@@ -484,6 +485,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             for i, chunk in enumerate(chunks):
                 if i == 0:  # the header chunk: how many payload bytes the reply carries
                     self._count("sent", chunk.total_bytes)
+                    activity.budget(chunk.total_bytes)
+                activity.hold()  # a send held back by flow control is the link's pace
                 yield chunk
                 activity.touch()
             self.state.record_sync_time(request.fragment, version, request.learner_id)
