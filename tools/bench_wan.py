@@ -47,6 +47,7 @@ import argparse
 import dataclasses
 import math
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -223,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     gbps_list = (2.0,) if args.quick else SCALED_GBPS
     t0 = time.time()
     counts = {"run": 0, "reused": 0}  # (the reference run counts again as its setting's row)
+    failures: dict[tuple[str, float], str] = {}  # (setting, gbps) -> the run's last error line
+
+    def cell_dir(setting: Setting, tag: str) -> pathlib.Path:
+        return root / setting.name.replace(" ", "_").replace("=", "") / tag
 
     def run(setting: Setting, tag: str, steps: int, mbit: float = 0.0, **extra: object) -> dict:
         overrides = {**setting.overrides(args.learners, steps, batch), **extra}
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides["decoupled.wan_mbit"] = round(mbit, 4)
         if setting.kind == "dp" and mbit:  # (the one sync at the end: 8x fewer bytes)
             overrides["compression.scheme"] = "e3m0"
-        workdir = root / setting.name.replace(" ", "_").replace("=", "") / tag
+        workdir = cell_dir(setting, tag)
         counts["reused" if runs.finished(workdir, runs.resolve(CONFIG, overrides)) else "run"] += 1
         return runs.run_or_reuse(CONFIG, overrides, workdir, tag="bench_wan")
 
@@ -249,20 +254,31 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((setting, "unlimited", 0.0, 0.0, free, *u_free, 1.0, 1.0, interval))
         for gbps in gbps_list:
             mbit = bandwidth.scaled_bandwidth(gbps * 1e9, bandwidth.PAPER_12B, workload) / 1e6
-            if setting.kind == "dp":
-                steps, extra = _dp_steps(setting, w, args.learners, mbit / 1e3)
+            steps, extra = (
+                _dp_steps(setting, w, args.learners, mbit / 1e3)
+                if setting.kind == "dp"
+                else (args.steps, {})
+            )
+            try:
                 s = run(setting, f"{gbps:g}gbps", steps, mbit, **extra)
-                u = u_noflush = w.step_time_s / step_time(s, net_of_waits=False)
+            except subprocess.CalledProcessError:  # a failed cell is a result too
+                s, u = None, math.nan
+                log = cell_dir(setting, f"{gbps:g}gbps") / "train.log"
+                failures[(setting.name, gbps)] = _last_error(log)
+                print(f"[bench_wan] {setting.name} at scaled {gbps:g} Gbit/s failed", flush=True)
             else:
-                s = run(setting, f"{gbps:g}gbps", args.steps, mbit)
-                u, u_noflush = utilisation(s)
-            planned = setting.planned(w, args.learners, mbit / 1e3, s["train_steps"])
+                if setting.kind == "dp":
+                    u = w.step_time_s / step_time(s, net_of_waits=False)
+                    u_noflush = u
+                else:
+                    u, u_noflush = utilisation(s)
+            planned = setting.planned(w, args.learners, mbit / 1e3, steps)
             long_run = setting.planned(w, args.learners, mbit / 1e3)
             interval = setting.sync_interval(w, args.learners, mbit / 1e3)
             link = f"scaled {gbps:g} Gbit/s"
             rows.append((setting, link, gbps, mbit, s, u, u_noflush, planned, long_run, interval))
 
-    text = _table(rows, shown, time.time() - t0, args, workload, shaping, counts)
+    text = _table(rows, shown, time.time() - t0, args, workload, shaping, counts, failures)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     _plot(rows, args.learners, workload, out.with_suffix(".png"))
@@ -274,10 +290,17 @@ def main(argv: list[str] | None = None) -> int:
             f"scaled 2 Gbit/s: decoupled utilisation {two['decoupled e3m0 P=4']:.3f}, "
             f"dp utilisation {two['dp']:.3f}, shaping {'tbf' if ok else 'pacer'}"
         )
-    return 0
+    return 1 if failures else 0
 
 
-def _table(rows, shown, seconds, args, workload, shaping, counts) -> str:
+def _last_error(log: pathlib.Path) -> str:
+    """The exception that ended a failed run, from its log (else the log's last line)."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    raised = [x for x in lines if x and not x[0].isspace() and "Error: " in x]
+    return (raised or lines or ["no log"])[-1].strip()[:300]
+
+
+def _table(rows, shown, seconds, args, workload, shaping, counts, failures) -> str:
     lines = [
         "## WAN: training behind kernel rate limits\n",
         f"`{shown}` ({time.strftime('%Y-%m-%d %H:%M')}, {seconds:.0f} s; {counts['run']} runs "
@@ -295,7 +318,14 @@ def _table(rows, shown, seconds, args, workload, shaping, counts) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
-    for setting, link, _, mbit, s, u, u_noflush, planned, long_run, interval in rows:
+    for setting, link, gbps, mbit, s, u, u_noflush, planned, long_run, interval in rows:
+        if s is None:
+            why = failures[(setting.name, gbps)].replace("|", "/")
+            lines.append(
+                f"| {setting.name} | {link} | {mbit:.3f} | **failed**: {why} | {planned:.3f} "
+                f"|{' — |' * 13}"
+            )
+            continue
         loss = s["final_eval_loss"]
         if link == "unlimited":
             base[setting.name] = loss
@@ -337,8 +367,9 @@ def _plot(rows, learners: int, workload, path: pathlib.Path) -> None:
         steps = next(r[4]["train_steps"] for r in rows if r[0] is setting)
         ax.plot(grid, [setting.planned(w, learners, g * scale, steps) for g in grid],
                 color=color, lw=1, alpha=0.7)  # fmt: skip
-        points = [(r[2], r[5]) for r in rows if r[0].name == name and r[2] > 0]
-        ax.plot(*zip(*points, strict=True), "o", color=color, label=name)
+        points = [(r[2], r[5]) for r in rows if r[0].name == name and r[2] > 0 and r[4]]
+        if points:
+            ax.plot(*zip(*points, strict=True), "o", color=color, label=name)
     ax.set_xscale("log")
     ax.set_xticks(SCALED_GBPS, [f"{g:g}" for g in SCALED_GBPS])
     ax.minorticks_off()
