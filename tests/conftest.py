@@ -45,6 +45,7 @@ def corpus():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start processes first: the two workers of `make test` (pytest-xdist) then take
-    the long ones early and fill in with the short ones, instead of ending on a long tail."""
+    """Tests that start processes first: the two workers of `make test` (pytest-xdist, handing
+    out one test at a time: `--maxschedchunk=1`) then take the long ones early and fill in with
+    the short ones, instead of ending on a long tail."""
     items.sort(key=lambda item: item.get_closest_marker("multiprocess") is None)
