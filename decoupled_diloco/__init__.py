@@ -11,7 +11,9 @@ Your own model, loss, optimizer and data (docs/byom.md):
     task = dd.Task.from_nnx(build_model=lambda rngs: CNN(rngs=rngs), loss_fn=my_loss)
     result = dd.train_and_evaluate(config, workdir, task=task, inner_optimizer=tx, dataset=data)
 
-Everything else stays importable from its module (the package's layout is in docs/DESIGN.md).
+Everything else stays importable from its module (the package's layout is in docs/DESIGN.md),
+e.g. `decoupled_diloco.sim.simulate`, `decoupled_diloco.chaos.faults.load`,
+`decoupled_diloco.core.outer.merge_back`, `decoupled_diloco.local.launch.run_decoupled`.
 """
 
 import importlib
@@ -24,7 +26,6 @@ _EXPORTS = {
     # Running an experiment: one entry point for every mode.
     "train_and_evaluate": "decoupled_diloco.train",
     "RunResult": "decoupled_diloco.train",
-    "run_decoupled": "decoupled_diloco.local.launch",
     # Configuration.
     "ExperimentConfig": "decoupled_diloco.config",
     "ModelConfig": "decoupled_diloco.config",
@@ -43,7 +44,7 @@ _EXPORTS = {
     "as_config_dict": "decoupled_diloco.config",
     "validate": "decoupled_diloco.config",
     "replace": "decoupled_diloco.config",
-    # What is trained: the task, its data, its islands, the synchronous trainers.
+    # What is trained: the task, its data, its islands, the synchronous DiLoCo trainer.
     "Task": "decoupled_diloco.tasks",
     "make_task": "decoupled_diloco.tasks",
     "Dataset": "decoupled_diloco.data.dataset",
@@ -51,25 +52,18 @@ _EXPORTS = {
     "Island": "decoupled_diloco.island",
     "DiLoCoOuter": "decoupled_diloco.trainers",
     "DiLoCoTrainer": "decoupled_diloco.trainers",
-    "DataParallelTrainer": "decoupled_diloco.trainers",
     # The decoupled processes, in one process or many.
     "Learner": "decoupled_diloco.learner.loop",
     "DecoupledSync": "decoupled_diloco.learner.link",
     "SyncerServer": "decoupled_diloco.syncer.server",
-    "SyncerState": "decoupled_diloco.syncer.state",
     "SyncerClient": "decoupled_diloco.comm.client",
     # The outer math every mode shares.
     "outer_gradient": "decoupled_diloco.core.outer",
     "outer_round": "decoupled_diloco.core.outer",
-    "merge_back": "decoupled_diloco.core.outer",
-    "make_outer_optimizer": "decoupled_diloco.core.outer",
-    # Faults, goodput, reports, the simulator.
-    "load_chaos": ("decoupled_diloco.chaos.faults", "load"),
+    # Goodput and reports.
     "analyze_goodput": ("decoupled_diloco.obs.timeline", "analyze"),
     "load_timeline": ("decoupled_diloco.obs.timeline", "load"),
     "write_report": "decoupled_diloco.obs.report",
-    "SimConfig": "decoupled_diloco.sim",
-    "simulate": "decoupled_diloco.sim",
 }
 
 __all__ = list(_EXPORTS)

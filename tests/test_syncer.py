@@ -515,8 +515,9 @@ def test_register_refuses_learner_ids_outside_num_learners_from_a_proto_client(s
 def test_a_learner_claiming_tiny_steps_cannot_shrink_the_others_h():
     """DyLU scales every learner's H by the fastest step time: the syncer floors each claim at
     half the pace it saw in that learner's heartbeats (steps over its own clock)."""
+    from decoupled_diloco.syncer.records import PACE_WINDOW_S
     from decoupled_diloco.syncer.server import initial_fragments
-    from decoupled_diloco.syncer.state import PACE_WINDOW_S, SyncerState
+    from decoupled_diloco.syncer.state import SyncerState
 
     config = _config()
     cut, values = initial_fragments(config)

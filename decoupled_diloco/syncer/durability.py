@@ -139,7 +139,7 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
             f.opt_state = [
                 host.aligned_copy(x) if np.ndim(x) else np.asarray(x) for x in saved["opt"]
             ]
-            template = state._steps[p].shapes()
+            template = state.math[p].step.shapes()
             if [x.shape for x in f.opt_state] != template:
                 raise ValueError(
                     f"syncer checkpoint fragment {p}: outer optimizer state of shapes "
@@ -165,7 +165,7 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
                         payload = Payload.of_arrays(f.specs, _arrays(arrays, f.specs, "pending"))
                     parts.append((base, payload))
                 pending = Pending(**{**entry, "parts": parts})
-                state._fold(p, pending)
+                state.math[p].fold(f, pending)
                 f.pending[pending.learner_id] = pending
             # Open rounds start their timing again; the closer thread re-checks the quorum.
             f.first_push_t = now if f.pending else None

@@ -95,6 +95,10 @@ class PushResult:
     version: int = 0
 
 
+# A learner's pace as the syncer sees it is measured over windows of at least this long.
+PACE_WINDOW_S = 10.0
+
+
 @dataclasses.dataclass
 class LearnerInfo:
     """What the syncer knows about one learner."""
@@ -116,9 +120,23 @@ class LearnerInfo:
     incarnation: int = -1  # of its last registration (0 for the first); older pushes refused
     dropped_pushes: int = 0  # accepted pushes whose merge was refused (`SyncerState._merge`)
     # The syncer's own view of its pace: (step, time) where the current window began, and the
-    # wall time per step it saw over the last full window (`SyncerState.heartbeat`).
+    # wall time per step it saw over the last full window (`observe_pace`).
     pace_from: tuple[int, float] | None = None
     seen_step_s: float = 0.0
+
+    def observe_pace(self, now: float) -> None:
+        """Updates the wall time per step the syncer saw, over windows of `PACE_WINDOW_S`."""
+        if self.pace_from is None or self.step < self.pace_from[0]:
+            self.pace_from = (self.step, now)
+            return
+        step0, t0 = self.pace_from
+        if now - t0 >= PACE_WINDOW_S and self.step > step0:
+            self.seen_step_s = (now - t0) / (self.step - step0)
+            self.pace_from = (self.step, now)
+
+    def dylu_step_time(self) -> float:
+        """The step time DyLU counts: the claim, floored at half the pace the syncer saw."""
+        return max(self.step_time_s, self.seen_step_s / 2) if self.step_time_s > 0 else 0.0
 
 
 class FragmentState:
@@ -165,3 +183,38 @@ class FragmentState:
             values.append(flat[at : at + n].reshape(s.shape))
             at += n
         self.values = values  # one assignment: readers outside the lock see old or new
+
+    def install(
+        self,
+        flat: np.ndarray,
+        kept: Any,
+        learners: list[int],
+        max_staleness: int,
+        publish: bool,
+    ) -> None:
+        """Installs a merged version: new values, the version history, who awaits it.
+
+        Args:
+          flat: the merged values (the round's buffer).
+          kept: what the history keeps of a version's values (`FragmentMath.kept`).
+          learners: the learners whose pushes it merged.
+          max_staleness: versions older than this many behind are forgotten.
+          publish: make it visible at once (a syncer without durability).
+        """
+        self.set_flat(flat)
+        self.round = None
+        self.version += 1
+        if publish:
+            self.published, self.published_values = self.version, self.values
+        self.merges += 1
+        history = kept(self.values)
+        if history:
+            self.history[self.version] = history
+        self.awaiting_sync[self.version] = set(learners)
+        oldest = self.version - max_staleness
+        self.history = {v: x for v, x in self.history.items() if v >= oldest}
+        self.awaiting_sync = {v: x for v, x in self.awaiting_sync.items() if v >= oldest}
+
+    def end_round(self) -> None:
+        """Forgets the open round (merged or dropped)."""
+        self.pending, self.first_push_t, self.quorum_t, self.round = {}, None, None, None

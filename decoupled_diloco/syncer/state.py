@@ -4,22 +4,9 @@ Per fragment p the syncer holds the global values Θ_p (one float32 host vector)
 optimizer state and a version. Learners push outer gradients Δ anchored at the version they
 hold; a round of fragment p collects pushes and closes once `quorum` live learners have pushed
 and the adaptive grace window has passed (or every live learner has pushed). Closing merges the
-outer gradients with token weights w = tokens²/steps (RDA, or the weighted mean for the task's
-mean-only tensors), applies the outer step and bumps the version: the same merge as
-`core.outer.outer_round` (which the synchronous `diloco` trainer calls), computed as the pushes
-arrive. Memory does not grow with the number of learners: each push is folded into the round's
-sums when it arrives (`core.accumulate.RoundSum`, coefficients w / w_first) and its bytes stay
-in the push store (`syncer.payloads`), read back only to take out a superseded fold, to
-correct a capped share when the round closes (the sums are rescaled to the final shares at
-once, and a capped or held-back push is folded again by the difference), or to rebuild the
-rounds after a restart. An open round costs one fragment-sized buffer; the merged values are
+outer gradients (token weights, RDA, anchoring: `syncer.merge`), applies the outer step and
+bumps the version. An open round costs one fragment-sized buffer; the merged values are
 written into it, so the previous version stays intact for pulls still reading it.
-
-Anchoring: a push anchored at the current version is used as is. A push anchored at an older
-version b carries Δ = Θ_p^(b) − θ_m. With `stale_anchor="syncer"` (Decoupled DiLoCo, App. D.2)
-the syncer recovers θ_m = Θ_p^(b) − Δ from its short version history and uses Θ_p − θ_m, which
-pulls the global value toward the stale learner's parameters; with `"learner"` it uses Δ as is
-(Async Local-SGD: the stale learner's own progress is applied to the current value).
 
 Late-push rule: a push whose base version is more than `max_staleness` versions behind the
 fragment's current version arrived after its round (and `max_staleness` later ones) closed. It
@@ -38,29 +25,27 @@ registers again (a restarted process) starts a new incarnation whose rounds coun
 push of an older incarnation is refused, so a replay cannot reopen the rounds of one.
 
 Defence in depth: the server admits only bounded counters and outer-gradient norms
-(`syncer.admission`); merges weight pushes by token-weight shares capped at
-`max_weight_share`; and a merge's result is checked finite and within its step bound before it
-is installed. A merge that fails the check is refused: its pushes are dropped (counted per
-learner, logged), the version does not move, the outer momentum starts again, and the log gets
-a record of the refusal but no values.
+(`syncer.admission`); merges cap each push's share and check their result (`syncer.merge`)
+before it is installed. A merge that fails the check is refused: its pushes are dropped
+(counted per learner, logged), the version does not move, the outer momentum starts again, and
+the log gets a record of the refusal but no values.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from absl import logging
 
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
-from decoupled_diloco.core import accumulate, host, outer
+from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
-from decoupled_diloco.syncer import admission, view
+from decoupled_diloco.syncer import merge, view
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import (
     Ema,
@@ -71,10 +56,6 @@ from decoupled_diloco.syncer.records import (
     PushResult,
     grace_window,
 )
-
-# Folded token weights span at most this ratio (`SyncerState._fold`); float32 then keeps every
-# share apart to ~1e-4 of the smallest.
-_WEIGHT_RANGE = 1e3
 
 
 class PushRefused(ValueError):
@@ -122,22 +103,9 @@ class SyncerState:
             config.outer.delayed_nesterov,
         )
         # A fragment another shard owns keeps its specs but no values (empty placeholders).
-        self.fragments, self._steps = [], []
-        for p, (specs, values) in enumerate(zip(fragments, initial, strict=True)):
-            for x in specs:
-                if np.dtype(x.dtype) != np.float32:
-                    raise ValueError(
-                        f"fragment {p}: tensor {x.name} is {x.dtype}; the syncer keeps the global "
-                        "model in float32 (master weights): give the task float32 parameters "
-                        "(model.param_dtype) and compute in another dtype if wanted"
-                    )
-            size = sum(math.prod(x.shape) for x in specs) if p in self.owned else 0
-            step = accumulate.FlatStep(self.tx, max(size, 1))
-            flat = host.aligned_zeros(size)
-            if size:
-                np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in values], out=flat)
-            self._steps.append(step)
-            self.fragments.append(FragmentState(list(specs), flat, step.init() if size else []))
+        self.fragments, self.math = merge.initial_fragments(
+            config, self.tx, fragments, initial, self.owned, is_mean_only, is_averaged
+        )
         # Durability (see `syncer.durability`): `seq` counts changes a restart must not lose;
         # with `durable` set, merged versions wait for a commit (`publish`) to become visible.
         self.durable = False
@@ -155,29 +123,11 @@ class SyncerState:
         self.seen: dict[tuple[int, int, int], PushResult] = {}
         self.lock = threading.Condition()
         self.store: Any = None  # `syncer.payloads.PushStore` of the pushes in open rounds
-        mean_only = is_mean_only or (lambda name: False)
-        averaged = is_averaged or (lambda name: False)
-        # Per fragment, per tensor: state (batch statistics) rather than a parameter; and the
-        # tensors merged by the weighted mean rather than RDA.
-        self._averaged = [[bool(averaged(s.name)) for s in specs] for specs in fragments]
-        rda = config.outer.merge == "rda"
-        self._plain = [
-            [not rda or bool(mean_only(s.name)) or bool(averaged(s.name)) for s in specs]
-            for specs in fragments
-        ]
-        for p, frag in enumerate(self.fragments):
-            if p in self.owned:
-                frag.history[0] = self._kept(p, frag.values)
 
     def warm_up(self) -> None:
         """Compiles every fragment's outer step now, so the first real round is not slow."""
         for p in sorted(self.owned):
-            self._steps[p].warm_up()
-
-    def _kept(self, p: int, values: Sequence[np.ndarray]) -> dict[int, np.ndarray]:
-        """What the version history keeps of fragment p's values (see `FragmentState`)."""
-        by_syncer = self.config.decoupled.stale_anchor == "syncer"
-        return {t: v for t, v in enumerate(values) if by_syncer or self._averaged[p][t]}
+            self.math[p].step.warm_up()
 
     # Learners --------------------------------------------------------------------------------
 
@@ -194,12 +144,12 @@ class SyncerState:
         """The shortest recent step time among live learners (0 when none reported yet).
 
         Each learner's is the larger of what it claims and half the pace the syncer saw in its
-        heartbeats (`_pace`): a learner that claims tiny steps cannot shrink every other
-        learner's H (DyLU) more than twofold below what it really does.
+        heartbeats (`LearnerInfo.dylu_step_time`): a learner that claims tiny steps cannot
+        shrink every other learner's H (DyLU) more than twofold below what it really does.
         """
         with self.lock:
             live = self.live_learners(self.clock())
-            times = [_step_time(self.learners[i]) for i in live]
+            times = [self.learners[i].dylu_step_time() for i in live]
             return min((t for t in times if t > 0), default=0.0)
 
     def register(self, learner_id: int, mesh: str) -> tuple[list[int], int]:
@@ -222,9 +172,9 @@ class SyncerState:
             for name, value in fields.items():
                 setattr(info, name, value)
             info.last_seen = self.clock()
-            _pace(info, info.last_seen)
+            info.observe_pace(info.last_seen)
             if info.step_time_s > 0:
-                self.ema_step.update(_step_time(info))
+                self.ema_step.update(info.dylu_step_time())
             self.lock.notify_all()  # a learner that finished may complete a quorum
             return self.versions()
 
@@ -315,41 +265,9 @@ class SyncerState:
 
     def _add(self, frag: FragmentState, push: Push) -> None:
         """Folds an accepted push into its fragment's open round (superseding its earlier one)."""
-        payload = push.delta
-        if not isinstance(payload, Payload):
-            payload = Payload.of_arrays(frag.specs, payload)
-        parts = [(push.base_version, payload)]
-        steps, tokens = push.steps, push.tokens
-        previous = frag.pending.pop(push.learner_id, None)
-        if previous is not None:  # A newer push from the same learner supersedes the older one.
-            self._unfold(push.fragment, previous)
-            steps, tokens = steps + previous.steps, tokens + previous.tokens
-            if self.config.decoupled.stale_anchor == "learner" and (
-                previous.base_version != push.base_version
-            ):
-                # Anchored at different versions, the two outer gradients hold disjoint
-                # progress (the learner was overwritten in between): keep both (state: the
-                # newer values alone).
-                parts = previous.parts + parts
-            else:
-                self._release(previous.parts)
-        pending = Pending(
-            push.learner_id,
-            push.round,
-            push.base_version,
-            steps,
-            tokens,
-            push.incarnation,
-            parts,
-            outer.token_weight(tokens, steps),
-        )
-        self._fold(push.fragment, pending)
-        # From here on it is read back from its stored copy (if any), not the caller's buffer.
-        pending.parts = [(b, x.stored()) for b, x in pending.parts]
-        frag.pending[push.learner_id] = pending
-        now = self.clock()
+        self.math[push.fragment].add(frag, push, self._release)
         if frag.first_push_t is None:
-            frag.first_push_t = now
+            frag.first_push_t = self.clock()
 
     def pending_gradient(self, p: int, learner_id: int) -> list[np.ndarray]:
         """A pending push's outer gradient as the merge will take it (re-anchored), per tensor."""
@@ -357,58 +275,9 @@ class SyncerState:
             frag = self.fragments[p]
             parts = frag.pending[learner_id].parts
             return [
-                x.reshape(s.shape) for x, s in zip(self._tensors(p, parts), frag.specs, strict=True)
+                x.reshape(s.shape)
+                for x, s in zip(self.math[p].tensors(frag, parts), frag.specs, strict=True)
             ]
-
-    def _tensors(self, p: int, parts: Sequence[tuple[int, Payload]]) -> Iterator[np.ndarray]:
-        """A pending push's outer gradient at the current version, one tensor at a time.
-
-        Anchoring (module doc): a part anchored at an older version b is re-anchored at the
-        current Θ, Θ − (Θ^(b) − Δ), with `stale_anchor="syncer"`, and always for state
-        (batch statistics), where a stale Δ would carry the versions in between as drift. A
-        base the history lacks (only after a restart fell back past an unreadable checkpoint)
-        is taken as current. Parts add up; for state the newest alone counts.
-        """
-        frag = self.fragments[p]
-        by_syncer = self.config.decoupled.stale_anchor == "syncer"
-        streams = [payload.tensors() for _, payload in parts]
-        for t, xs in enumerate(zip(*streams, strict=True)):
-            is_state = self._averaged[p][t]
-            total = None
-            for (base, _), x in zip(parts, xs, strict=True):
-                x = np.asarray(x, np.float32)
-                if base != frag.version and (by_syncer or is_state):
-                    old = frag.history.get(base, {}).get(t, frag.values[t])
-                    x = frag.values[t] - (old - x)
-                total = x if total is None or is_state else total + x
-            yield total
-
-    def _fold(self, p: int, pending: Pending) -> None:
-        """Folds a pending push into the round's sums, or holds it back (coefficient 0).
-
-        A push whose weight would widen the folded weights' range past `_WEIGHT_RANGE` is held
-        back: folded next to much larger (or smaller) ones, float32 could not take its share
-        apart again when the round closes (a capped share is a correction to its fold).
-        """
-        frag = self.fragments[p]
-        if frag.round is None:
-            frag.round = accumulate.RoundSum(
-                [math.prod(s.shape) for s in frag.specs], self._plain[p]
-            )
-            frag.first_weight = pending.weight
-        folded = [x.coef for x in frag.pending.values() if x.coef > 0]
-        coef = pending.weight / frag.first_weight
-        if folded and max(*folded, coef) > _WEIGHT_RANGE * min(*folded, coef):
-            pending.coef = 0.0
-            return
-        frag.round.fold(self._tensors(p, pending.parts), coef)
-        pending.coef = coef
-
-    def _unfold(self, p: int, pending: Pending) -> None:
-        """Takes a superseded push's fold out of the round's sums again."""
-        frag = self.fragments[p]
-        if pending.coef > 0:
-            frag.round.fold(self._tensors(p, pending.parts), -pending.coef)
 
     def _release(self, parts: Sequence[tuple[int, Payload]]) -> None:
         """Stored payloads that no pending push refers to any more (see `PushStore.release`)."""
@@ -468,89 +337,32 @@ class SyncerState:
             self._refuse_merge(p, pushes, f"the merge failed: {type(error).__name__}: {error}")
 
     def _close(self, p: int) -> None:
-        """Closes fragment p's round: the shares, the merged outer gradient, the outer step."""
+        """Closes fragment p's round (`syncer.merge`) and installs the result if it passes."""
         t0 = time.perf_counter()
         frag = self.fragments[p]
         pushes = [frag.pending[i] for i in sorted(frag.pending)]
-        raw = [x.weight for x in pushes]
-        shares, factor = outer.shares_and_factor(raw, self.config.decoupled.syncer.max_weight_share)
-        # The sums hold coef_m = w_m / w_first of every folded push; scaled by c·w_first they
-        # hold c·w_m, each uncapped push's share. Capped and held-back pushes are corrected to
-        # their shares with their outer gradients read back.
-        prescale = factor * frag.first_weight
-        corrections = []
-        for x, share in zip(pushes, shares, strict=True):
-            have = factor * x.weight if x.coef > 0 else 0.0
-            if abs(share - have) > 1e-9 * max(share, have):
-                corrections.append((x, share - have))
-        if corrections:  # (else the rescaling is done by `finish`, in its pass)
-            frag.round.scale(prescale)
-            prescale = 1.0
-        for x, coef in corrections:
-            frag.round.fold(self._tensors(p, x.parts), coef)
-        # "share": a merge of k of the M learners moves the fragment k/M of the way a merge of
-        # all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
-        m = self.config.num_learners
-        share = self.config.decoupled.partial_merge == "share"
-        merged = frag.round.finish(len(pushes) / m if share else 1.0, prescale)
-        buffer = frag.round.buffer
-        # Averaged state (batch statistics) is the weighted mean itself: Θ − mean(Θ − θ_m).
-        state = {
-            t: frag.values[t].reshape(-1) - merged[t]
-            for t, is_state in enumerate(self._averaged[p])
-            if is_state
-        }
-        opt_state = self._steps[p](frag.flat, frag.opt_state, buffer, buffer)  # Θ' → buffer
-        for t, value in state.items():
-            merged[t][:] = value
-        new_values = [x.reshape(s.shape) for x, s in zip(merged, frag.specs, strict=True)]
-        o, s = self.config.outer, self.config.decoupled.syncer
-        # Averaged state (batch statistics) moves by the mean itself: rate 1, no momentum.
-        lr = max(o.lr, 1.0 - o.momentum) if any(self._averaged[p]) else o.lr
-        bound = admission.merged_step_bound(frag.values, s.max_delta_norm, lr, o.momentum)
-        error = admission.check_merged(frag.values, new_values, bound)
-        if error:
-            self._refuse_merge(p, pushes, error)
+        result = self.math[p].close(frag, pushes)
+        if isinstance(result, str):
+            self._refuse_merge(p, pushes, result)
             return
-        frag.opt_state = opt_state
+        frag.opt_state = result.opt_state
         if self.merge_hook is not None:
             self.merge_hook()
-        frag.set_flat(buffer)
-        frag.round = None
-        frag.version += 1
-        if not self.durable:  # else the committer publishes it once it is on disk
-            frag.published, frag.published_values = frag.version, frag.values
-        frag.merges += 1
-        self.merge_sizes[len(pushes)] += 1
-        kept = self._kept(p, frag.values)
-        if kept:
-            frag.history[frag.version] = kept
-        frag.awaiting_sync[frag.version] = {x.learner_id for x in pushes}
-        oldest = frag.version - self.config.decoupled.syncer.max_staleness
-        frag.history = {v: x for v, x in frag.history.items() if v >= oldest}
-        frag.awaiting_sync = {v: x for v, x in frag.awaiting_sync.items() if v >= oldest}
-        now = self.clock()
-        self.merge_log.append(
-            {
-                "fragment": p,
-                "version": frag.version,
-                "learners": [x.learner_id for x in pushes],
-                "steps": [x.steps for x in pushes],
-                "tokens": [x.tokens for x in pushes],
-                "weights": raw,
-                "shares": shares,
-                "grace_s": frag.grace_s,
-                "waited_s": now - frag.first_push_t,
-                # (a replayed merge has no quorum time)
-                "quorum_wait_s": (now if frag.quorum_t is None else frag.quorum_t)
-                - frag.first_push_t,
-                "ema_step_s": self.ema_step.get(),
-                "ema_quorum_s": self.ema_quorum.get(),
-                "ema_sync_s": self.ema_sync.get(),
-                "merge_s": time.perf_counter() - t0,
-            }
+        frag.install(
+            result.buffer,
+            self.math[p].kept,
+            [x.learner_id for x in pushes],
+            self.config.decoupled.syncer.max_staleness,
+            publish=not self.durable,  # else the committer publishes it once it is on disk
         )
-        frag.pending, frag.first_push_t, frag.quorum_t, frag.closed_t = {}, None, None, now
+        self.merge_sizes[len(pushes)] += 1
+        now = self.clock()
+        emas = {"step": self.ema_step, "quorum": self.ema_quorum, "sync": self.ema_sync}
+        self.merge_log.append(
+            result.describe(p, frag, pushes, now, {k: v.get() for k, v in emas.items()}, t0)
+        )
+        frag.end_round()
+        frag.closed_t = now
         for x in pushes:
             self._release(x.parts)
         self._changed("merge", p)
@@ -571,10 +383,10 @@ class SyncerState:
             [x.tokens for x in pushes],
             frag.version,
         )
-        frag.pending, frag.first_push_t, frag.quorum_t, frag.round = {}, None, None, None
+        frag.end_round()
         # The momentum may carry the same harm (it built up towards this round): start it
         # again, so that the fragment's next honest rounds can merge.
-        frag.opt_state = self._steps[p].init()
+        frag.opt_state = self.math[p].step.init()
         for x in pushes:
             self._release(x.parts)
         self._changed("refuse", p)  # a restart must not bring the dropped pushes back
@@ -639,23 +451,3 @@ class SyncerState:
     def status(self) -> dict[str, Any]:
         """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs."""
         return view.status(self)
-
-
-# A learner's pace as the syncer sees it is measured over windows of at least this long.
-PACE_WINDOW_S = 10.0
-
-
-def _pace(info: LearnerInfo, now: float) -> None:
-    """Updates the wall time per step the syncer saw of a learner, over its heartbeats."""
-    if info.pace_from is None or info.step < info.pace_from[0]:
-        info.pace_from = (info.step, now)
-        return
-    step0, t0 = info.pace_from
-    if now - t0 >= PACE_WINDOW_S and info.step > step0:
-        info.seen_step_s = (now - t0) / (info.step - step0)
-        info.pace_from = (info.step, now)
-
-
-def _step_time(info: LearnerInfo) -> float:
-    """A learner's step time for DyLU: its claim, floored at half the pace the syncer saw."""
-    return max(info.step_time_s, info.seen_step_s / 2) if info.step_time_s > 0 else 0.0
