@@ -72,16 +72,19 @@ def _steps(sync, params, n, tokens=64):
 def test_schedule_matches_the_staggered_rule_and_dynamic_h_scales_with_speed():
     config = _config(inner_steps=8, **{"decoupled.fragments": 4})
     learner = Learner(config, 0, "127.0.0.1:1", devices=jax.devices()[:1], mesh_shape=(1, 1))
+    schedule = learner.sync.schedule
     for step in range(1, 3 * 8 + 1):
-        assert learner.sync.due(step) == due_fragments(step, 4, 8)
-    assert learner.sync.local_h() == 8
+        assert schedule.due(step) == due_fragments(step, 4, 8)
+    assert schedule.local_h() == 8
+    schedule.fastest_step_s, schedule.step_time_s = 0.1, 0.3
+    assert schedule.local_h() == 8  # DyLU off: H whatever the speeds
     dylu = Learner(
         _config(inner_steps=8, **{"decoupled.dynamic_local_updates": True}),
         1,
         "127.0.0.1:1",
         devices=jax.devices()[:1],
         mesh_shape=(1, 1),
-    ).sync
+    ).sync.schedule
     dylu.fastest_step_s, dylu.step_time_s = 0.1, 0.3
     assert dylu.local_h() == 2  # floor(8 * 0.1 / 0.3)
     dylu.fastest_step_s, dylu.step_time_s = 0.1, 0.1

@@ -306,7 +306,7 @@ def test_corrupt_syncer_snapshot_falls_back_with_a_warning_and_the_log_loses_not
 
 def test_outbox_folds_what_a_newer_push_contains_and_bounds_the_rest():
     from decoupled_diloco.learner.outbox import Outbox
-    from decoupled_diloco.learner.recovery import reschedule
+    from decoupled_diloco.learner.schedule import reschedule
 
     box = Outbox(num_fragments=2, bound=2)
     first = box.add(0, base=3, steps=8, tokens=100, foldable=True)

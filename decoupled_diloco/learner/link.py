@@ -28,7 +28,6 @@ hooks (`_to_host`, `_place`, `_take_ready`) by collectives.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import time
@@ -37,41 +36,19 @@ from concurrent import futures
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from decoupled_diloco import runtime
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.core import outer
+from decoupled_diloco.learner import mesh_merge
 from decoupled_diloco.learner.encoder import MeshEncoder
+from decoupled_diloco.learner.inbox import Inbox
 from decoupled_diloco.learner.outbox import Outbox
-from decoupled_diloco.learner.recovery import reschedule
 from decoupled_diloco.learner.round_trip import Inbound, Outgoing, Trip, round_trip
+from decoupled_diloco.learner.schedule import Schedule
 
 Params = Any
-_STEP_WINDOW = 10  # steps per measurement of the step time
-
-
-@functools.partial(jax.jit, static_argnames=("alpha",))
-def _merge_fragment(
-    merged: list[jax.Array],
-    local: list[jax.Array],
-    at_push: list[jax.Array | None],
-    unsent: list[jax.Array | None],
-    alpha: float,
-) -> list[jax.Array]:
-    """`core.outer.merge_back` over one fragment's tensors, compiled once per fragment."""
-    return [
-        outer.merge_back(m, x, at_push=a, unsent=u, alpha=alpha)
-        for m, x, a, u in zip(merged, local, at_push, unsent, strict=True)
-    ]
-
-
-@jax.jit
-def _copy(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Device copies of a fragment's tensors (the next step donates the originals)."""
-    return [jnp.copy(x) for x in leaves]
 
 
 class DecoupledSync:
@@ -145,14 +122,12 @@ class DecoupledSync:
         self.steps_since = [0] * num
         self.tokens_since = [0] * num
         self.rounds = [0] * num
-        # Staggered schedule as "next due step" per fragment: o_p first, then every H steps
-        # (or this learner's dynamic H, see `local_h`).
-        self.next_due = reschedule(0, num, config.inner_steps)
+        # When each fragment is due (`learner.schedule`: staggered, every H or DyLU's H).
+        self.schedule = Schedule(num, config.inner_steps, d.dynamic_local_updates)
         self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
         # keep_overlap: per fragment, a device copy of θ at its last push.
         self.at_push: dict[int, list[jax.Array]] = {}
-        self.inbox: dict[int, Inbound] = {}
-        self.inbox_lock = threading.Lock()
+        self.inbox = Inbox()
         # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
         self.pool = futures.ThreadPoolExecutor(max_workers=num * (d.syncer.max_unsent + 1) + 1)
         self.jobs: list[futures.Future] = []
@@ -162,8 +137,6 @@ class DecoupledSync:
         self.step = self.tokens = 0
         self.loss: Any = float("nan")
         self.eval_loss = float("nan")  # learners do not evaluate; the launcher evaluates Θ
-        self.step_time_s = self.fastest_step_s = 0.0
-        self._window: tuple[int, float] | None = None  # (step, time) the step window began
         self.blocked_s = self.sync_host_s = self.compress_s = 0.0
         self.errors: list[str] = []
         self.retries = 0  # this link's own retries of pushes and pulls (the client adds its)
@@ -210,7 +183,7 @@ class DecoupledSync:
           tokens: the tokens restored with them.
         """
         self.step, self.tokens = step, tokens
-        self.next_due = reschedule(step, len(self.cut), self.config.inner_steps)
+        self.schedule.resume(step)
         leaves = self.treedef.flatten_up_to(params)
         for p, frag in enumerate(self.cut):
             for spec, value in zip(frag, self.anchor[p], strict=True):
@@ -218,25 +191,13 @@ class DecoupledSync:
         params = jax.tree.unflatten(self.treedef, leaves)
         if self.encoder.enabled:  # compile every fragment's encoder now, not in the step loop
             self.encoder.warm_up(self.anchor, leaves)
-        self._warm_up(leaves)
+        d = self.config.decoupled
+        residual = self.encoder.residual_leaves() if self.config.compression.keep_unsent else None
+        mesh_merge.warm_up(self.cut, leaves, residual, d.keep_overlap, d.alpha)
         runtime.trim_memory()  # what initialising the model and joining freed goes back now
         self._beat = threading.Thread(target=self._heartbeats, daemon=True)
         self._beat.start()
         return params
-
-    def _warm_up(self, leaves: list[jax.Array]) -> None:
-        """Compiles every fragment's merge-back (and overlap copy) now, not at its first merge.
-
-        Runs them once on the joined values (the results are dropped): the first merge of
-        each fragment would otherwise stall the step loop for a compile.
-        """
-        d = self.config.decoupled
-        residual = self.encoder.residual_leaves() if self.config.compression.keep_unsent else None
-        for frag in self.cut:
-            local = F.gather(leaves, frag)
-            at_push = _copy(local) if d.keep_overlap else [None] * len(frag)
-            unsent = [None] * len(frag) if residual is None else F.gather(residual, frag)
-            jax.block_until_ready(_merge_fragment(local, local, at_push, unsent, alpha=d.alpha))
 
     def __enter__(self) -> DecoupledSync:
         """Connects and joins with the `params` given.
@@ -259,28 +220,6 @@ class DecoupledSync:
                 self.flush(self._last)
         finally:
             self.close()
-
-    # Schedule --------------------------------------------------------------------------------
-
-    def due(self, step: int) -> list[int]:
-        """The fragments due after `step`; schedules each one's next push."""
-        due = [p for p, at in enumerate(self.next_due) if step >= at]
-        for p in due:
-            self.next_due[p] = step + self.local_h()
-        return due
-
-    def local_h(self) -> int:
-        """Inner steps until a pushed fragment is due again.
-
-        H, or with dynamic local updates ⌊H · t_fastest / t_own⌋ (at least 1): a learner k times
-        slower than the fastest syncs every H/k of its steps, i.e. as often in wall time.
-        """
-        H = self.config.inner_steps
-        if not self.config.decoupled.dynamic_local_updates:
-            return H
-        if self.fastest_step_s <= 0 or self.step_time_s <= 0:
-            return H
-        return max(1, int(H * min(self.fastest_step_s / self.step_time_s, 1.0)))
 
     # The step loop's calls ---------------------------------------------------------------------
 
@@ -310,30 +249,27 @@ class DecoupledSync:
             latest = inbound.pushed_at == self.last_push[p]
             at_push = self.at_push.pop(p, None) if d.keep_overlap else None
             unsent = residual is not None and latest
-            frag = self.cut[p]
             merged = [
-                self._place(value, self.shardings[spec.index])
-                for spec, value in zip(frag, inbound.values, strict=True)
+                self._place(v, self.shardings[x.index])
+                for x, v in zip(self.cut[p], inbound.values, strict=True)
             ]
-            # One compiled call per fragment (not a few eager ops per tensor).
-            new = _merge_fragment(
+            mesh_merge.merge_into(
+                leaves,
+                self.cut[p],
                 merged,
-                [leaves[s.index] for s in frag],
-                at_push if at_push is not None and latest else [None] * len(frag),
-                [residual[s.index] for s in frag] if unsent else [None] * len(frag),
-                alpha=d.alpha,
+                at_push if latest else None,
+                residual if unsent else None,
+                d.alpha,
             )
-            for spec, value in zip(frag, new, strict=True):
-                leaves[spec.index] = value
             self.encoder.in_params[p] = unsent
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
             self.applied.append(
-                {
-                    "fragment": p,
-                    "version": inbound.version,
-                    "pushed_at": inbound.pushed_at,
-                    "applied_at": self.step,
-                }
+                dict(
+                    fragment=p,
+                    version=inbound.version,
+                    pushed_at=inbound.pushed_at,
+                    applied_at=self.step,
+                )
             )
         self.sync_host_s += time.perf_counter() - t0
         return jax.tree.unflatten(self.treedef, leaves)
@@ -359,21 +295,13 @@ class DecoupledSync:
         for p in range(len(self.cut)):
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
-        # Wall time per step over a window (single steps are dispatched asynchronously and
-        # time nothing); the syncer's grace window and DyLU use it.
-        now = time.perf_counter()
-        if self._window is None:
-            self._window = (self.step, now)
-        elif self.step - self._window[0] >= _STEP_WINDOW:
-            self.step_time_s = (now - self._window[1]) / (self.step - self._window[0])
-            self._window = (self.step, now)
-        for p in self.due(self.step):
+        self.schedule.step_finished(self.step)
+        for p in self.schedule.due(self.step):
             self._launch(params, p)
 
     def arrived(self) -> dict[int, int]:
         """Merged fragments that have arrived and wait for their step: fragment -> version."""
-        with self.inbox_lock:
-            return {p: x.version for p, x in self.inbox.items()}
+        return self.inbox.waiting()
 
     def flush(self, params: Params) -> float:
         """Pushes the steps since each fragment's last push; waits for them (bounded).
@@ -432,11 +360,7 @@ class DecoupledSync:
 
     def _take_ready(self) -> dict[int, Inbound]:
         """Removes and returns the merged fragments whose overlap has passed."""
-        with self.inbox_lock:
-            ready = {p: x for p, x in self.inbox.items() if self.step >= x.apply_after_step}
-            for p in ready:
-                del self.inbox[p]
-        return ready
+        return self.inbox.take_ready(self.step)
 
     def _to_host(self, leaves: list[jax.Array]) -> list[np.ndarray]:
         """Host copies of device arrays."""
@@ -459,7 +383,7 @@ class DecoupledSync:
             self.last_push[p] = self.step
         if self.config.decoupled.keep_overlap and not final:
             # A device copy: the next step donates these buffers.
-            self.at_push[p] = _copy(leaves)
+            self.at_push[p] = mesh_merge.device_copy(leaves)
         if self.encoder.enabled:
             local = self.encoder.encode(p, self.anchor[p], leaves)
             self.compress_s += time.perf_counter() - t0
@@ -518,33 +442,18 @@ class DecoupledSync:
             self.on_trip(trip)
         if job.final:
             return
+        sent, received = trip.sent, trip.received
         self.round_log.append(
-            {
-                "fragment": p,
-                "round": job.round,
-                "step": job.pushed_at,
-                "sent": trip.sent,
-                "received": trip.received,
-            }
+            dict(fragment=p, round=job.round, step=job.pushed_at, sent=sent, received=received)
         )
         if trip.version >= 0:
             due = self._due_at(job.pushed_at)
-            self._arrived(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+            self.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at))
 
     def _due_at(self, pushed_at: int) -> int:
         """The step after which a merge answering a push made after `pushed_at` is applied."""
         d = self.config.decoupled
         return pushed_at + (0 if d.apply_on_arrival else overlap_steps(self.config))
-
-    def _arrived(self, p: int, inbound: Inbound) -> None:
-        """Leaves a merged fragment in the inbox (unless a newer one for p is already there)."""
-        with self.inbox_lock:
-            held = self.inbox.get(p)
-            # The same version may answer two pushes (the newer one superseded the older in
-            # the syncer's open round): it answers the newer one.
-            newer = (inbound.version, inbound.pushed_at)
-            if held is None or (held.version, held.pushed_at) < newer:
-                self.inbox[p] = inbound
 
     # Heartbeats ------------------------------------------------------------------------------
 
@@ -562,12 +471,12 @@ class DecoupledSync:
                 state=state,
                 versions=self.versions,
                 blocked_s=self.blocked_s,
-                step_time_s=self.step_time_s,
+                step_time_s=self.schedule.step_time_s,
                 eval_loss=self.eval_loss,
                 bytes_sent=self.client.bytes_sent,
                 bytes_received=self.client.bytes_received,
                 sync_rounds=len(self.round_log),
             )
-            self.fastest_step_s = reply.fastest_step_time_s
+            self.schedule.fastest_step_s = reply.fastest_step_time_s
         except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
             print(f"[learner {self.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)

@@ -197,7 +197,8 @@ class Learner:
             if step % c.log_every == 0 or step == c.train_steps:
                 print(
                     f"[learner {self.id}] step {step}/{c.train_steps} loss {float(loss):.3f} "
-                    f"versions {self.sync.versions} {self.sync.step_time_s * 1e3:.0f} ms/step",
+                    f"versions {self.sync.versions} "
+                    f"{self.sync.schedule.step_time_s * 1e3:.0f} ms/step",
                     flush=True,
                 )
         train_wall = time.perf_counter() - t_start

@@ -89,7 +89,7 @@ class LearnerMetrics(Collector):
                 "Mean inner step time over the latest window.",
                 labels=["learner"],
             ),
-            sync.step_time_s,
+            sync.schedule.step_time_s,
         )
         yield one(
             CounterMetricFamily(

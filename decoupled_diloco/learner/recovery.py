@@ -33,7 +33,6 @@ import jax
 import numpy as np
 
 from decoupled_diloco.checkpointing import IslandCheckpointer
-from decoupled_diloco.core import fragments as F
 
 T = TypeVar("T")
 
@@ -206,14 +205,3 @@ class LearnerCheckpoints:
         """Waits for pending saves; closes the journal."""
         self.checkpointer.close()
         self.journal.close()
-
-
-def reschedule(step: int, num_fragments: int, inner_steps: int) -> list[int]:
-    """Each fragment's next due step after `step` on the staggered schedule."""
-    due = []
-    for p in range(num_fragments):
-        first = F.offset(p, num_fragments, inner_steps)
-        due.append(
-            first if step < first else first + ((step - first) // inner_steps + 1) * inner_steps
-        )
-    return due

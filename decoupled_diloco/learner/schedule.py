@@ -1,0 +1,71 @@
+"""When a learner pushes each fragment: the staggered schedule, H or DyLU's local H.
+
+Fragment p is first due at its offset o_p (`core.fragments.offset`), then every H inner steps;
+with dynamic local updates (DyLU) every ⌊H · t_fastest / t_own⌋ steps, so that a learner k
+times slower than the fastest syncs as often in wall time. The step time is measured over
+windows of steps (single steps are dispatched asynchronously and time nothing); the syncer's
+grace window and DyLU use it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from decoupled_diloco.core import fragments as F
+
+_STEP_WINDOW = 10  # steps per measurement of the step time
+
+
+def reschedule(step: int, num_fragments: int, inner_steps: int) -> list[int]:
+    """Each fragment's next due step after `step` on the staggered schedule."""
+    due = []
+    for p in range(num_fragments):
+        first = F.offset(p, num_fragments, inner_steps)
+        due.append(
+            first if step < first else first + ((step - first) // inner_steps + 1) * inner_steps
+        )
+    return due
+
+
+class Schedule:
+    """The next due step of every fragment, and this learner's step time.
+
+    Args:
+      num_fragments: P.
+      inner_steps: H.
+      dynamic: dynamic local updates (DyLU) on.
+    """
+
+    def __init__(self, num_fragments: int, inner_steps: int, dynamic: bool = False):
+        self.num_fragments, self.inner_steps, self.dynamic = num_fragments, inner_steps, dynamic
+        self.next_due = reschedule(0, num_fragments, inner_steps)
+        self.step_time_s = 0.0  # this learner's wall time per step (0 until measured)
+        self.fastest_step_s = 0.0  # the fastest live learner's, as the syncer reports it
+        self._window: tuple[int, float] | None = None  # (step, time) the window began
+
+    def resume(self, step: int) -> None:
+        """The schedule from `step` on (a fresh start, or steps restored from a checkpoint)."""
+        self.next_due = reschedule(step, self.num_fragments, self.inner_steps)
+
+    def due(self, step: int) -> list[int]:
+        """The fragments due after `step`; schedules each one's next push."""
+        due = [p for p, at in enumerate(self.next_due) if step >= at]
+        for p in due:
+            self.next_due[p] = step + self.local_h()
+        return due
+
+    def local_h(self) -> int:
+        """Inner steps until a pushed fragment is due again: H, or DyLU's (at least 1)."""
+        H = self.inner_steps
+        if not self.dynamic or self.fastest_step_s <= 0 or self.step_time_s <= 0:
+            return H
+        return max(1, int(H * min(self.fastest_step_s / self.step_time_s, 1.0)))
+
+    def step_finished(self, step: int) -> None:
+        """Counts inner step `step` as finished now (updates the step time once a window)."""
+        now = time.perf_counter()
+        if self._window is None:
+            self._window = (step, now)
+        elif step - self._window[0] >= _STEP_WINDOW:
+            self.step_time_s = (now - self._window[1]) / (step - self._window[0])
+            self._window = (step, now)
