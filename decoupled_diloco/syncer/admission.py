@@ -144,3 +144,23 @@ def check_heartbeat(
     if state and state not in STATES:
         return f"state={state[:40]!r}: must be one of {sorted(STATES)}"
     return None
+
+
+def fingerprint_mismatch(theirs: str, ours: str) -> str:
+    """What differs between a learner's task fingerprint and the syncer's, in words.
+
+    Fingerprints are "TASK@TREE" (`Task.fingerprint`); the learner's is cut to 256 characters.
+    """
+    their_task, named, their_tree = theirs[:256].rpartition("@")
+    our_task, _, our_tree = ours.rpartition("@")
+    if not named:
+        return (
+            f"sent fingerprint {their_tree[:64]!r}, which names no task; the syncer serves "
+            f"task {our_task!r} ({ours})"
+        )
+    if their_task != our_task:
+        return f"trains task {their_task!r} but the syncer serves task {our_task!r}"
+    return (
+        f"has a different parameter tree ({their_tree[:32]}, the syncer's {our_tree}: tree "
+        f"structure, shapes or dtypes) for task {our_task!r}"
+    )

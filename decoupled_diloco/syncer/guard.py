@@ -39,6 +39,28 @@ from absl import logging
 
 from decoupled_diloco.comm.auth import OPERATOR
 from decoupled_diloco.comm.retry import RETRY_TRAILER
+from decoupled_diloco.config import ExperimentConfig
+
+CONTROL_THREADS = 16  # threads the data calls can never take (Register, Heartbeat, Status)
+
+
+def control_slots(config: ExperimentConfig) -> int:
+    """Control calls served at once: 2 per learner, and `CONTROL_THREADS` for the operator."""
+    return 2 * config.num_learners + CONTROL_THREADS
+
+
+def streams_per_learner(config: ExperimentConfig) -> int:
+    """`max_streams_per_learner`, or what a learner's link may open at most.
+
+    A push and its pull per undelivered push of every fragment (`max_unsent` + 1 each), + 2.
+    """
+    s = config.decoupled.syncer
+    return s.max_streams_per_learner or config.decoupled.fragments * (s.max_unsent + 1) + 2
+
+
+def data_slots(config: ExperimentConfig) -> int:
+    """Data calls served at once: every learner's streams, + 8 (evaluator, status tools)."""
+    return config.num_learners * streams_per_learner(config) + 8
 
 
 class Activity:

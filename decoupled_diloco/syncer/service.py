@@ -13,11 +13,9 @@ INVALID_ARGUMENT or RESOURCE_EXHAUSTED and a message. Data calls are admitted by
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import math
 import threading
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,37 +26,15 @@ from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm.retry import RETRY_TRAILER
-from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import compression
-from decoupled_diloco.core.compression import Codec
-from decoupled_diloco.syncer import admission
+from decoupled_diloco.syncer import admission, streams
 from decoupled_diloco.syncer.downlink import Downlink
-from decoupled_diloco.syncer.guard import Guard
+from decoupled_diloco.syncer.guard import Guard, control_slots, data_slots, streams_per_learner
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import Push
 from decoupled_diloco.syncer.state import PushRefused, SyncerState
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
-CONTROL_THREADS = 16  # threads the data calls can never take (Register, Heartbeat, Status)
-
-
-def control_slots(config: ExperimentConfig) -> int:
-    """Control calls served at once: 2 per learner, and `CONTROL_THREADS` for the operator."""
-    return 2 * config.num_learners + CONTROL_THREADS
-
-
-def streams_per_learner(config: ExperimentConfig) -> int:
-    """`max_streams_per_learner`, or what a learner's link may open at most.
-
-    A push and its pull per undelivered push of every fragment (`max_unsent` + 1 each), + 2.
-    """
-    s = config.decoupled.syncer
-    return s.max_streams_per_learner or config.decoupled.fragments * (s.max_unsent + 1) + 2
-
-
-def data_slots(config: ExperimentConfig) -> int:
-    """Data calls served at once: every learner's streams, + 8 (evaluator, status tools)."""
-    return config.num_learners * streams_per_learner(config) + 8
 
 
 class SyncerService(pb_grpc.SyncerServicer):
@@ -207,17 +183,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 f"learner id {request.learner_id} is not in [0, {self.state.config.num_learners})",
             )
         if request.fingerprint != self.fingerprint:
-            theirs, named, their_tree = request.fingerprint[:256].rpartition("@")
-            ours, _, our_tree = self.fingerprint.rpartition("@")
-            what = (
-                f"sent fingerprint {their_tree[:64]!r}, which names no task; the syncer serves "
-                f"task {ours!r} ({self.fingerprint})"
-                if not named
-                else f"trains task {theirs!r} but the syncer serves task {ours!r}"
-                if theirs != ours
-                else f"has a different parameter tree ({their_tree[:32]}, the syncer's "
-                f"{our_tree}: tree structure, shapes or dtypes) for task {ours!r}"
-            )
+            what = admission.fingerprint_mismatch(request.fingerprint, self.fingerprint)
             self._abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -376,29 +342,15 @@ class SyncerService(pb_grpc.SyncerServicer):
     ) -> Push:
         """Reads a push's chunks into `file` and checks them; the push, its payload stored."""
         frag = self.state.fragments[h.fragment]
-        at, crc, claimed = 0, 0, None
-        for seq, raw in enumerate(itertools.chain([first], request_iterator)):
-            activity.touch()
-            if claimed is not None:
-                self._refuse(context, _INVALID, f"chunk {seq} after the checksum chunk")
-            if seq == 0:
-                data = first.data
-                claimed = first.payload_crc32 if first.HasField("payload_crc32") else None
-            else:
-                data, claimed = self._data_chunk(raw, seq, context)
-            if at + len(data) > expected:
-                self._refuse(context, _INVALID, f"payload passed its declared {expected} bytes")
-            file.write(data)
-            at += len(data)
-            crc = zlib.crc32(data, crc)
-        activity.hold()  # complete: the merge and the commit wait are the syncer's, not idleness
-        self._count("received", at)
-        if at != expected:
-            self._refuse(context, _INVALID, f"payload ended at {at} of its {expected} bytes")
-        if claimed is None:
-            self._refuse(context, _INVALID, "the last chunk must carry payload_crc32")
-        if crc != claimed:
-            self._refuse(context, _INVALID, "payload checksum (payload_crc32) does not match")
+
+        def ended(n: int) -> None:
+            activity.hold()  # complete: the merge and the commit wait are not idleness
+            self._count("received", n)
+
+        try:
+            streams.receive(first, request_iterator, expected, file, activity.touch, ended)
+        except wire.PayloadError as error:
+            self._refuse(context, _INVALID, str(error))
         path = file.finish()
         delta = Payload(frag.specs, [wire.codec_of(t) for t in h.tensors], path=path)
         try:  # decodes (and checks) every tensor before the state sees any of them
@@ -432,24 +384,6 @@ class SyncerService(pb_grpc.SyncerServicer):
         context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
         self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
-    def _data_chunk(
-        self, raw: bytes, seq: int, context: grpc.ServicerContext
-    ) -> tuple[memoryview, int | None]:
-        """Push chunk number `seq`: its data, and the checksum if it is the last chunk."""
-        parsed = wire.parse_push_data_chunk(raw)  # the common case, without a protobuf copy
-        if parsed is not None:
-            got, data = parsed
-            claimed = None
-        else:
-            chunk = self._parse(pb.PushChunk, raw, context)
-            if chunk.HasField("header"):
-                self._refuse(context, _INVALID, f"chunk {seq} carries a second header")
-            got, data = chunk.seq, memoryview(chunk.data)
-            claimed = chunk.payload_crc32 if chunk.HasField("payload_crc32") else None
-        if got != seq:
-            self._refuse(context, _INVALID, f"chunk {seq} arrived as seq {got} (reordered or lost)")
-        return data, claimed
-
     def Pull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
         identity = self._authorize(context)
         with self.guard.call(identity, context, "pull") as activity:
@@ -478,10 +412,11 @@ class SyncerService(pb_grpc.SyncerServicer):
                 yield pb.FragmentChunk(fragment=request.fragment, version=-1)
                 return
             specs = self.state.fragments[request.fragment].specs
+            size = self.syncer_config.chunk_bytes
             if self.downlink is not None and request.learner_id >= 0:
-                chunks = self._compressed_pull(request, version, values, specs)
+                chunks = streams.delta_reply(self.downlink, request, version, values, specs, size)
             else:
-                chunks = self._full_pull(request.fragment, version, values, specs)
+                chunks = streams.full_reply(request.fragment, version, values, specs, size)
             for i, chunk in enumerate(chunks):
                 if i == 0:  # the header chunk: how many payload bytes the reply carries
                     self._count("sent", chunk.total_bytes)
@@ -490,48 +425,6 @@ class SyncerService(pb_grpc.SyncerServicer):
                 yield chunk
                 activity.touch()
             self.state.record_sync_time(request.fragment, version, request.learner_id)
-
-    def _full_pull(self, p: int, version: int, values: list, specs: list) -> Iterator[Any]:
-        # Cut from the published values as the reader takes them (a chunk at a time, nothing
-        # cached: a merged version is never changed in place, and a copy per fragment would
-        # cost the model's size again).
-        pieces = wire.chunk_arrays(values, self.syncer_config.chunk_bytes)
-        yield pb.FragmentChunk(
-            fragment=p,
-            version=version,
-            tensors=wire.headers(specs),
-            total_bytes=sum(s.nbytes for s in specs),
-            data=next(pieces),
-        )
-        for piece in pieces:
-            yield wire.data_chunk(wire.PULL_DATA_TAG, piece)
-
-    def _compressed_pull(
-        self, request: pb.PullRequest, version: int, values: list, specs: list
-    ) -> Iterator[Any]:
-        """A learner's pull with `compression.downlink`: the difference from its own copy."""
-        base, payload = self.downlink.reply(
-            request.learner_id,
-            request.fragment,
-            version,
-            values,
-            specs,
-            request.have_version if request.has_copy else None,
-        )
-        codec = self.downlink.codec if base is not None else Codec("none")
-        arrays = wire.encoded_arrays(payload, specs, codec) if base is not None else payload
-        tensors = wire.headers(specs, codec)
-        pieces = list(wire.chunk_arrays(arrays, self.syncer_config.chunk_bytes))
-        yield pb.FragmentChunk(
-            fragment=request.fragment,
-            version=version,
-            tensors=tensors,
-            total_bytes=sum(h.payload_bytes for h in tensors),
-            data=pieces[0],
-            delta=base is not None,
-            base_version=base or 0,
-        )
-        yield from (wire.data_chunk(wire.PULL_DATA_TAG, c) for c in pieces[1:])
 
 
 def _serialize(message: Any) -> bytes:
