@@ -3,7 +3,7 @@
 Config files under `experiments/configs/` return `as_config_dict(ExperimentConfig(...))` so that
 absl's `--config.X=...` overrides work (ml_collections cannot assign into frozen dataclasses);
 `from_config_dict` turns the overridden dict back into a frozen, validated `ExperimentConfig`.
-The fields are in `schema`, the checks in `checks`. No JAX is imported here, so a syncer or a
+The fields are in `schema` and `processes`, the checks in `checks`. No JAX is imported here, so a syncer or a
 tool can load configs cheaply.
 """
 
@@ -20,30 +20,32 @@ import ml_collections
 
 from decoupled_diloco.config.checks import check
 from decoupled_diloco.config.derived import mesh_shape_for, overlap_steps, parse_mesh_shapes
-from decoupled_diloco.config.schema import (
+from decoupled_diloco.config.processes import (
     COMPRESSION_SCHEMES,
+    TOPK_VALUE_SCHEMES,
+    CompressionConfig,
+    DecoupledConfig,
+    MonitorConfig,
+    SupervisorConfig,
+    SyncerConfig,
+)
+from decoupled_diloco.config.schema import (
     DATASETS,
     DTYPES,
     INNER_OPTIMIZERS,
     MERGES,
     MODEL_KINDS,
     MODES,
-    TOPK_VALUE_SCHEMES,
     CheckpointConfig,
-    CompressionConfig,
     ConfigError,
     DataConfig,
-    DecoupledConfig,
     EvalConfig,
     ExperimentConfig,
     MeshConfig,
     ModelConfig,
     MoEConfig,
-    MonitorConfig,
     OptimConfig,
     OuterConfig,
-    SupervisorConfig,
-    SyncerConfig,
 )
 
 __all__ = [

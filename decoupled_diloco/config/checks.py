@@ -10,16 +10,18 @@ import math
 import pathlib
 
 from decoupled_diloco.config.derived import parse_mesh_shapes
-from decoupled_diloco.config.schema import (
+from decoupled_diloco.config.processes import (
     COMPRESSION_SCHEMES,
+    TOPK_VALUE_SCHEMES,
+    CompressionConfig,
+)
+from decoupled_diloco.config.schema import (
     DATASETS,
     DTYPES,
     INNER_OPTIMIZERS,
     MERGES,
     MODEL_KINDS,
     MODES,
-    TOPK_VALUE_SCHEMES,
-    CompressionConfig,
     ConfigError,
     ExperimentConfig,
     ModelConfig,
