@@ -13,8 +13,9 @@ import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.chaos import faults as chaos
+from decoupled_diloco.local.chaos_run import start_injector
 from decoupled_diloco.local.procs import Processes
-from decoupled_diloco.local.supervisor import EventLog, Supervisor, start_injector
+from decoupled_diloco.local.supervisor import EventLog, Supervisor
 from decoupled_diloco.obs import timeline as tl
 from tests.helpers import wait_until
 

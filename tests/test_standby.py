@@ -14,9 +14,10 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.config import write_config_file
 from decoupled_diloco.learner import recovery as learner_recovery
 from decoupled_diloco.learner import standby
+from decoupled_diloco.local.chaos_run import learner_env, prepare_run
 from decoupled_diloco.local.commands import child_env, learner_command, syncer_command
 from decoupled_diloco.local.procs import Processes, free_port
-from decoupled_diloco.local.supervisor import EventLog, Supervisor, learner_env, prepare_run
+from decoupled_diloco.local.supervisor import EventLog, Supervisor
 from decoupled_diloco.obs import timeline as tl
 from tests.conftest import tiny_config
 from tests.helpers import wait_until

@@ -3,8 +3,8 @@
 Config files under `experiments/configs/` return `as_config_dict(ExperimentConfig(...))` so that
 absl's `--config.X=...` overrides work (ml_collections cannot assign into frozen dataclasses);
 `from_config_dict` turns the overridden dict back into a frozen, validated `ExperimentConfig`.
-The fields are in `schema` and `processes`, the checks in `checks`. No JAX is imported here, so a syncer or a
-tool can load configs cheaply.
+The fields are in `schema` and `processes`, the checks in `checks`. No JAX is imported here, so
+a syncer or a tool can load configs cheaply.
 """
 
 from __future__ import annotations

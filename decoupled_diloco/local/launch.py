@@ -28,11 +28,10 @@ import numpy as np
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import auth, wire
-from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.core.compression import ring_allreduce_bytes
+from decoupled_diloco.local import chaos_run, poll, wan
 from decoupled_diloco.local import supervisor as supervisor_lib
-from decoupled_diloco.local import wan
 from decoupled_diloco.local.commands import (
     child_env,
     island_commands,
@@ -42,8 +41,7 @@ from decoupled_diloco.local.commands import (
 from decoupled_diloco.local.evaluator import GlobalEvaluator
 from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.obs import monitor as monitor_lib
-from decoupled_diloco.obs import watch
-from decoupled_diloco.obs.metrics import MetricsWriter, write_summary
+from decoupled_diloco.obs.metrics import write_summary
 
 
 def _start_syncers(
@@ -96,19 +94,6 @@ def _wait_for_port(port_file: pathlib.Path, procs: Processes, timeout_s: float) 
     raise TimeoutError(f"the syncer did not start within {timeout_s:.0f}s")
 
 
-def progress_line(status: dict[str, Any], total_steps: int, elapsed: float) -> str:
-    """One line for all learners: state, step, loss and fragment versions, plus merges."""
-    parts = []
-    for i, info in status["learners"].items():
-        loss = info["loss"]
-        loss_text = f"{loss:.3f}" if loss == loss else "-"
-        parts.append(
-            f"L{i} {info['state'][:5]} {info['step']}/{total_steps} loss {loss_text} "
-            f"v{info['versions']}"
-        )
-    return f"[decoupled] {elapsed:5.0f}s | " + " | ".join(parts) + f" | merges {status['merges']}"
-
-
 def _python() -> str:
     """This interpreter as the user would type it (`.venv/bin/python` from the repository)."""
     try:
@@ -150,7 +135,7 @@ def run_decoupled(
     workdir.mkdir(parents=True, exist_ok=True)
 
     # Timeline (goodput) and, under `config.chaos`, the fault schedule and its controls.
-    config, chaos_env, schedule = supervisor_lib.prepare_run(config, workdir)
+    config, chaos_env, schedule = chaos_run.prepare_run(config, workdir)
     token = config.decoupled.syncer.token or os.environ.get(wire.TOKEN_ENV) or secrets.token_hex(16)
     # The token goes to the syncers through the environment, never through the config file
     # the learners read too: each learner gets only its own credential.
@@ -213,7 +198,7 @@ def run_decoupled(
                 # A learner holds only its own credential: it can act as itself, not as others
                 # (and the metrics-only scrape secret its metrics accept: `learner.metrics`).
                 env = {
-                    **supervisor_lib.learner_env(i, leader),
+                    **chaos_run.learner_env(i, leader),
                     wire.TOKEN_ENV: auth.learner_credential(token, i),
                     **({auth.SCRAPE_ENV: auth.scrape_secret(token)} if metrics else {}),
                     **shaping.env,  # the in-process pacer's controls, if it paces
@@ -225,9 +210,9 @@ def run_decoupled(
             monitor = _start_monitor(config, address, token, workdir, metrics_urls)
         supervisor.start_thread()
         if schedule is not None:
-            injector = supervisor_lib.start_injector(schedule, supervisor, workdir, client)
+            injector = chaos_run.start_injector(schedule, supervisor, workdir, client)
         evaluator = GlobalEvaluator(config, client, corpus, task)
-        status = _monitor(config, supervisor, client, evaluator, workdir, t_start, progress_s)
+        status = poll.watch(config, supervisor, client, evaluator, workdir, t_start, progress_s)
         if injector is not None:
             injector.halt.set()
             supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval
@@ -282,7 +267,7 @@ def run_decoupled(
         "dp_equivalent_bytes": sum(x["steps"] for x in learners)
         * ring_allreduce_bytes(config.num_learners, sum(x.size for x in jax.tree.leaves(params))),
         # Goodput, uptime, faults and recoveries (see `timeline` for the definitions).
-        **supervisor_lib.chaos_summary(workdir, events, t_end=time.time()),
+        **chaos_run.chaos_summary(workdir, events, t_end=time.time()),
         "max_staleness": status.get("max_staleness", 0),
         **({"wan": links} if links else {}),  # `decoupled.wan_mbit`: what each link carried
         "config": dataclasses.asdict(config),
@@ -290,7 +275,7 @@ def run_decoupled(
     try:
         path = write_summary(workdir, summary)
         if schedule is not None:  # under faults: the picture of who did what when
-            supervisor_lib.write_timeline_png(workdir)
+            chaos_run.write_timeline_png(workdir)
     except BaseException:
         if monitor is not None:
             monitor.stop()
@@ -362,91 +347,3 @@ def _start_monitor(
         flush=True,
     )
     return monitor
-
-
-def _monitor(
-    config: config_lib.ExperimentConfig,
-    supervisor: Any,
-    client: SyncerClient,
-    evaluate: GlobalEvaluator,
-    workdir: pathlib.Path,
-    t_start: float,
-    progress_s: float,
-) -> dict[str, Any]:
-    """Polls the syncer until every learner has finished; writes metrics and progress.
-
-    `supervisor` (`supervisor.Supervisor`) owns the children: it restarts those a fault killed,
-    and reports any that died on their own.
-
-    Every `eval.every` steps (mean over learners) it also evaluates the global parameters, the
-    model the syncer would hand out, as the synchronous modes evaluate theirs.
-    """
-    next_eval = config.eval.every
-    writer = MetricsWriter(workdir)
-    learner_names = [f"learner_{i}" for i in range(config.num_learners)]
-    status: dict[str, Any] = {"merges": 0, "learners": {}}
-    staleness = 0  # the largest version lag of a learner seen (summary: max_staleness)
-    progress = watch.RunProgress("decoupled")
-    try:
-        while True:
-            supervisor.check()  # a child that died on its own, not by a fault, ends the run
-            done = supervisor.finished(learner_names)
-            try:
-                status = client.status()
-            except Exception as error:  # noqa: BLE001 - report and keep watching the children.
-                print(f"[decoupled] status failed: {error}", flush=True)
-            elapsed = time.perf_counter() - t_start
-            learners = status["learners"]
-            if learners:
-                steps = [x["step"] for x in learners.values()]
-                event: dict[str, Any] = {}
-                staleness = max([staleness] + [x.get("staleness", 0) for x in learners.values()])
-                if config.eval.every and np.mean(steps) >= next_eval:
-                    try:
-                        evaluate()
-                        event.update(evaluate.event())  # eval_loss (+ eval_accuracy, ...)
-                    except Exception as error:  # noqa: BLE001 - e.g. a syncer killed by a fault.
-                        print(f"[decoupled] evaluation skipped: {error}", flush=True)
-                    while next_eval <= np.mean(steps):
-                        next_eval += config.eval.every
-                # NaN (no step yet) becomes null: every line stays valid JSON.
-                losses = [x["loss"] if x["loss"] == x["loss"] else None for x in learners.values()]
-                evals = [
-                    x["eval_loss"] for x in learners.values() if x["eval_loss"] == x["eval_loss"]
-                ]
-                progress.show(status, progress_line(status, config.train_steps, elapsed), elapsed)
-                writer.write(
-                    step=int(np.mean(steps)),
-                    tokens=sum(x["tokens"] for x in learners.values()),
-                    loss=float(np.mean([v for v in losses if v is not None]))
-                    if any(v is not None for v in losses)
-                    else None,
-                    learner_ids=[int(i) for i in learners],
-                    learner_losses=losses,
-                    learner_steps=steps,
-                    learner_states=[x["state"] for x in learners.values()],
-                    versions=[f["version"] for f in status["fragments"]],
-                    wall_s=elapsed,
-                    outer_syncs=status["merges"],
-                    # Per learner, cumulative: bytes pushed and pulled, push rounds done.
-                    learner_bytes_sent=[x.get("bytes_sent", 0) for x in learners.values()],
-                    learner_bytes_received=[x.get("bytes_received", 0) for x in learners.values()],
-                    learner_sync_rounds=[x.get("sync_rounds", 0) for x in learners.values()],
-                    **({"learner_eval_loss": float(np.mean(evals))} if evals else {}),
-                    **event,
-                )
-            if done:
-                return {**_wait_for_last_merges(client, status), "max_staleness": staleness}
-            time.sleep(progress_s)
-    finally:
-        progress.close()
-        writer.close()
-
-
-def _wait_for_last_merges(client: SyncerClient, status: dict[str, Any]) -> dict[str, Any]:
-    """After the learners exit, their final pushes close within the syncer's next tick."""
-    deadline = time.monotonic() + 30
-    while any(f["pending"] for f in status["fragments"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        status = client.status()
-    return status

@@ -16,16 +16,14 @@ from typing import Any
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import runtime
-from decoupled_diloco.local.procs import Processes
-from decoupled_diloco.local.supervisor import (
-    CHILD_ENV,
-    EventLog,
-    Supervisor,
+from decoupled_diloco.local.chaos_run import (
     chaos_summary,
     prepare_run,
     start_injector,
     write_timeline_png,
 )
+from decoupled_diloco.local.procs import Processes
+from decoupled_diloco.local.supervisor import CHILD_ENV, EventLog, Supervisor
 from decoupled_diloco.tasks import python_path
 
 
