@@ -5,8 +5,9 @@
 Both servers run as separate processes on 127.0.0.1; the client is this process. The raw
 baseline is a bare chunked gRPC stream (1 MiB chunks of opaque bytes, nothing checked). The
 syncer numbers are the real calls a learner makes: `Push` of every fragment (headers checked,
-bytes reassembled, chunk order, CRC-32, finiteness and norm checked; quorum 2 with one pusher,
-so nothing merges) and `Pull` of every fragment. Target (issue 3): syncer ≥ 0.5 × raw, each
+bytes stored, chunk order, CRC-32, finiteness and norm checked, folded into the open round;
+quorum 2 with one pusher, so nothing merges, and each repeat supersedes the last push) and
+`Pull` of every fragment. Target (issue 3): syncer ≥ 0.5 × raw, each
 direction.
 """
 
@@ -222,7 +223,12 @@ def main() -> None:
             "reassembles them into arrays (one copy of the payload), and its push also checks "
             "headers, byte counts, chunk order, the CRC-32 of the payload, finiteness and the "
             "outer-gradient norm (issue 18; the push was 1024 MB/s, ratio 0.70, before those "
-            "checks, on 2026-12-01 10:29).",
+            "checks, on 2026-12-01 10:29). Since issue 20 a push's bytes also go to a file of "
+            "the push store as they arrive and are folded into the open round's sums on "
+            "arrival (read back, norm, axpy), and each repeat's push supersedes the previous "
+            "one of the same learner, whose fold is taken out again (read back once more): "
+            "about ten passes over the payload where the raw stream makes one, which is what "
+            "the push ratio measures here (target not met).",
             "",
         ]
     )
