@@ -9,6 +9,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from decoupled_diloco import config as config_lib
@@ -337,6 +338,53 @@ def test_degraded_link_drops_requests_and_replies_and_adds_latency(tmp_path, mon
     finally:
         channel.close()
         server.stop(None)
+
+
+def test_a_push_whose_reply_the_link_lost_is_answered_as_a_duplicate_and_merged_once(tmp_path):
+    """Through the chaos link and a real syncer: a push the syncer handled but whose reply was
+    lost is re-sent by the client's retry, recognised (duplicate) and never merged twice."""
+    from decoupled_diloco.comm import faulty_link
+    from decoupled_diloco.comm.client import SyncerClient
+    from decoupled_diloco.syncer.server import SyncerServer
+    from tests.conftest import tiny_config
+
+    config = tiny_config(mode="decoupled", num_learners=1, **{
+        "decoupled.fragments": 1, "decoupled.quorum": 1, "decoupled.syncer.max_grace_s": 0.0,
+        "decoupled.syncer.max_staleness": 64, "decoupled.syncer.retries": 8,
+    })  # fmt: skip
+    server = SyncerServer(config, host="127.0.0.1", port=0, token="t").start()
+    # Drops are drawn per method from the seed: the same calls lose the same replies each run.
+    chaos.write_controls(tmp_path, 0, {"seed": 0, "drop": 0.3})
+    link = faulty_link.DegradedLink(chaos.Controls(chaos.control_path(tmp_path, 0)), 0)
+    client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, "t", link=link)
+    pushes = 16
+    try:
+        client.register(0, server.fingerprint)
+        fragment = server.state.fragments[0]
+        replies = [
+            client.push(
+                learner_id=0,
+                fragment=0,
+                round=r,
+                base_version=0,
+                steps=1,
+                tokens=1,
+                specs=fragment.specs,
+                arrays=[np.full_like(v, 1e-3) for v in fragment.values],
+            )  # fmt: skip
+            for r in range(pushes)
+        ]
+        assert all(x.accepted for x in replies)
+        lost = sum(x.duplicate for x in replies)  # their first answer was lost on the way back
+        assert lost >= 1 and link.dropped["reply"] >= lost, link.dropped
+        assert server.state.status()["fragments"][0]["duplicate_pushes"] >= lost
+        # Each push merged exactly once (quorum 1: a merge per push), however often it was sent.
+        merges = server.state.merge_log
+        assert len(merges) == pushes and sum(sum(m["steps"]) for m in merges) == pushes
+        assert server.state.fragments[0].version == pushes
+    finally:
+        client.close()
+        server.stop(0)
 
 
 def test_pictures_of_a_timeline_and_of_goodput_by_mode(tmp_path):

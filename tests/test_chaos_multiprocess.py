@@ -99,10 +99,11 @@ def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_pat
     assert summary["lost_steps"] == learner1["lost_steps"]
     # The link: calls were dropped and retried; re-sent pushes were recognised, not re-merged.
     assert summary["learners"][0]["retries"] > 0
-    # (the syncer's own duplicate counters start afresh when it restarts; the learners' do not).
-    # Drops are drawn per RPC method: with seed 0 the replies of learner 0's 3rd and 4th push
-    # attempts are lost, whatever the other calls do.
-    assert sum(x["pushes"]["duplicate"] for x in summary["learners"]) > 0
+    # Whether a lost reply's retry reaches the syncer as a duplicate, or the push is first taken
+    # over by a newer one of its fragment (the outbox folds it while it backs off), depends on
+    # the machine's load here; the duplicate path itself is held deterministically by
+    # test_chaos.py::test_a_push_whose_reply_the_link_lost_is_answered_as_a_duplicate_and_merged_once.
+    # What must hold either way is checked next: nothing merged twice.
     # Nothing double-counted: the steps merged from each learner, per fragment, add up to at
     # most the steps it trained (a push merged twice would count its steps twice).
     trained = {0: 96, 1: 96 + learner1["lost_steps"]}  # learner 1 redid the lost steps
