@@ -101,9 +101,9 @@ def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_pat
     assert summary["learners"][0]["retries"] > 0
     # Whether a lost reply's retry reaches the syncer as a duplicate, or the push is first taken
     # over by a newer one of its fragment (the outbox folds it while it backs off), depends on
-    # the machine's load here; the duplicate path itself is held deterministically by
-    # test_chaos.py::test_a_push_whose_reply_the_link_lost_is_answered_as_a_duplicate_and_merged_once.
-    # What must hold either way is checked next: nothing merged twice.
+    # the machine's load here; the duplicate path itself is held deterministically by the
+    # test_chaos.py test of a push whose reply the link lost. What must hold either way is
+    # checked next: nothing merged twice.
     # Nothing double-counted: the steps merged from each learner, per fragment, add up to at
     # most the steps it trained (a push merged twice would count its steps twice).
     trained = {0: 96, 1: 96 + learner1["lost_steps"]}  # learner 1 redid the lost steps
