@@ -95,6 +95,13 @@ def _our_processes(workdir: pathlib.Path) -> list[int]:
 
 def test_metrics_of_every_process_and_the_page_in_a_browser(tmp_path, chromium):
     workdir = tmp_path / "run"
+    # Both learners 10x slower for the whole run: the test waits on events, not on speed, and a
+    # tiny model's learners at full speed would take both cores from the rest of the suite.
+    slow = tmp_path / "slow.yaml"
+    slow.write_text(
+        "seed: 0\nfaults:\n"
+        + "".join(f"  - {{at_s: 0, kind: slow, learner: {i}, factor: 10}}\n" for i in (0, 1))
+    )
     command = [
         sys.executable, "-m", "experiments.train",
         "--config=experiments/configs/tiny_lm_decoupled.py", f"--workdir={workdir}",
@@ -103,6 +110,7 @@ def test_metrics_of_every_process_and_the_page_in_a_browser(tmp_path, chromium):
         "--config.decoupled.fragments=2", "--config.eval.every=300", "--config.eval.batches=1",
         "--config.model.d_model=32", "--config.model.num_layers=1", "--config.model.num_heads=2",
         "--config.model.mlp_hidden=64", "--config.model.seq_len=32", "--config.data.batch_size=4",
+        f"--config.chaos={slow}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "DD_RUN_TOKEN"}
     out = tmp_path / "launcher.log"
