@@ -97,7 +97,7 @@ def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_pat
     assert learner1["down_s"] >= 2 and learner1["lost_steps"] >= 40 - 32
     assert summary["timeline"]["learners"]["0"]["lost_steps"] == 0
     assert summary["lost_steps"] == learner1["lost_steps"]
-    # The link: calls were dropped and retried; re-sent pushes were recognised, not re-merged.
+    # The link: calls were dropped and retried.
     assert summary["learners"][0]["retries"] > 0
     # Whether a lost reply's retry reaches the syncer as a duplicate, or the push is first taken
     # over by a newer one of its fragment (the outbox folds it while it backs off), depends on

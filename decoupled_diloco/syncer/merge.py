@@ -254,7 +254,7 @@ class FragmentMath:
         return error or Merged(values, buffer, opt_state, raw, shares)
 
 
-def initial_fragments(
+def initial_states(
     config: ExperimentConfig,
     tx: Any,
     fragments: Sequence[Sequence[TensorSpec]],

@@ -42,7 +42,7 @@ class Payload:
       specs: the fragment's tensor specs.
       codecs: each tensor's encoding (as its header declared and `wire.check_headers` checked).
       data: the bytes in memory (the handler's buffer, or a test's); None once stored.
-      path: the stored copy (`PushStore.put`), read back tensor by tensor.
+      path: the stored copy (a `PushStore.create` file), read back tensor by tensor.
       arrays: an outer gradient given as arrays (tests and in-process callers), kept as is.
     """
 

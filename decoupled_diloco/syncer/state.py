@@ -103,7 +103,7 @@ class SyncerState:
             config.outer.delayed_nesterov,
         )
         # A fragment another shard owns keeps its specs but no values (empty placeholders).
-        self.fragments, self.math = merge.initial_fragments(
+        self.fragments, self.math = merge.initial_states(
             config, self.tx, fragments, initial, self.owned, is_mean_only, is_averaged
         )
         # Durability (see `syncer.durability`): `seq` counts changes a restart must not lose;
