@@ -442,9 +442,14 @@ class DecoupledSync:
             self.on_trip(trip)
         if job.final:
             return
-        sent, received = trip.sent, trip.received
         self.round_log.append(
-            dict(fragment=p, round=job.round, step=job.pushed_at, sent=sent, received=received)
+            dict(
+                fragment=p,
+                round=job.round,
+                step=job.pushed_at,
+                sent=trip.sent,
+                received=trip.received,
+            )
         )
         if trip.version >= 0:
             due = self._due_at(job.pushed_at)

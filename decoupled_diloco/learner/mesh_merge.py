@@ -86,6 +86,8 @@ def warm_up(
     """
     for frag in cut:
         local = F.gather(leaves, frag)
-        at_push = device_copy(local) if keep_overlap else [None] * len(frag)
-        unsent = [None] * len(frag) if residual is None else F.gather(residual, frag)
-        jax.block_until_ready(merge_fragment(local, local, at_push, unsent, alpha=alpha))
+        scratch = list(leaves)  # the same call `merge_into` makes at a merge, results dropped
+        merge_into(
+            scratch, frag, local, device_copy(local) if keep_overlap else None, residual, alpha
+        )
+        jax.block_until_ready(F.gather(scratch, frag))
