@@ -486,16 +486,17 @@ for learner in (int(sys.argv[5]), -1):
 
 
 @pytest.mark.multiprocess
-def test_register_refuses_learner_ids_outside_num_learners_from_a_proto_client(syncer, tmp_path):
+def test_register_refuses_learner_ids_outside_max_learners_from_a_proto_client(syncer, tmp_path):
     import pathlib
     import subprocess
     import sys
 
     from decoupled_diloco.comm import wire as wire_lib
+    from decoupled_diloco.config import max_learners
 
     server, client = syncer
     proto = pathlib.Path(wire_lib.__file__).with_name("syncer.proto")
-    num = server.state.config.num_learners
+    num = max_learners(server.state.config)  # ids beyond num_learners may join, up to it
     args = [str(tmp_path), str(proto), f"127.0.0.1:{server.port}", TOKEN, str(num)]
     out = subprocess.run(
         [sys.executable, "-c", _PROTO_CLIENT, *args, server.fingerprint],
@@ -506,8 +507,8 @@ def test_register_refuses_learner_ids_outside_num_learners_from_a_proto_client(s
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines == [
-        f"INVALID_ARGUMENT learner id {num} is not in [0, {num})",
-        f"INVALID_ARGUMENT learner id -1 is not in [0, {num})",
+        f"INVALID_ARGUMENT learner id {num} is not in [0, {num}) (decoupled.max_learners)",
+        f"INVALID_ARGUMENT learner id -1 is not in [0, {num}) (decoupled.max_learners)",
     ]
     assert server.state.learners == {}  # nothing registered
 

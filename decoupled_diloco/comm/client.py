@@ -172,6 +172,15 @@ class SyncerClient:
             lambda: self.stub.Heartbeat(request, timeout=5.0, metadata=self.metadata), retries=0
         )
 
+    def lease(self, learner_id: int, flushed: bool = False) -> pb.LeaseReply:
+        """Asks for a lease of training data (`syncer.ledger`); retried through outages."""
+        request = pb.LeaseRequest(learner_id=learner_id, flushed=flushed)
+        return self._call(
+            lambda: self.stub.Lease(
+                request, timeout=self.config.rpc_timeout_s, metadata=self.metadata
+            )
+        )
+
     def status(self) -> dict[str, Any]:
         """The syncer's status as a dict (see `SyncerState.status`)."""
         reply = self._call(
@@ -229,12 +238,14 @@ class SyncerClient:
         arrays: Sequence[np.ndarray],
         tensors: Sequence[pb.TensorHeader] | None = None,
         retries: int | None = None,
+        data: Sequence[Sequence[int]] = (),
     ) -> pb.PushReply:
         """Streams one fragment's outer gradient; retried safely (idempotent per round).
 
         Without `tensors`, `arrays` are the raw tensors; with them (`wire.headers` of a codec),
         `arrays` are the encoded sections in wire order (`wire.encoded_arrays`). `retries`:
-        as for every call (a caller with its own retry loop passes 0).
+        as for every call (a caller with its own retry loop passes 0). `data`: the leased
+        batches ([lease, begin, end)) the outer gradient trained on (`syncer.ledger`).
         """
         header = pb.PushHeader(
             learner_id=learner_id,
@@ -246,6 +257,7 @@ class SyncerClient:
             tensors=wire.headers(specs) if tensors is None else tensors,
             total_bytes=sum(np.asarray(a).nbytes for a in arrays),
             incarnation=self.incarnations.get(learner_id, 0),
+            data=[pb.DataRange(lease=k, begin=b, end=e) for k, b, e in data],
         )
         sent = [0]
         stream = self.push_chunks(header, arrays, sent)

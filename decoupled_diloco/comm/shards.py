@@ -162,6 +162,10 @@ class ShardedClient:
             raise failure
         return combine(statuses, [c.address for c in self.clients])
 
+    def lease(self, learner_id: int, flushed: bool = False) -> pb.LeaseReply:
+        """Data leases are shard 0's (they need one shard: `config.data_leases`)."""
+        return self.clients[0].lease(learner_id, flushed)
+
     def push(self, *, fragment: int, **fields: Any) -> pb.PushReply:
         """Pushes to the shard that owns `fragment`."""
         return self._for(fragment).push(fragment=fragment, **fields)

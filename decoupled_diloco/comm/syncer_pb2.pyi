@@ -94,8 +94,42 @@ class StatusReply(_message.Message):
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
+class DataRange(_message.Message):
+    __slots__ = ("lease", "begin", "end")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    lease: int
+    begin: int
+    end: int
+    def __init__(self, lease: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("learner_id", "flushed")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FLUSHED_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    flushed: bool
+    def __init__(self, learner_id: _Optional[int] = ..., flushed: _Optional[bool] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("status", "lease", "begin", "end", "num_shards", "covered")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    COVERED_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    lease: int
+    begin: int
+    end: int
+    num_shards: int
+    covered: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[str] = ..., lease: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., num_shards: _Optional[int] = ..., covered: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class PushHeader(_message.Message):
-    __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes", "incarnation")
+    __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes", "incarnation", "data")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +139,7 @@ class PushHeader(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     fragment: int
     round: int
@@ -114,7 +149,8 @@ class PushHeader(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHeader]
     total_bytes: int
     incarnation: int
-    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    data: _containers.RepeatedCompositeFieldContainer[DataRange]
+    def __init__(self, learner_id: _Optional[int] = ..., fragment: _Optional[int] = ..., round: _Optional[int] = ..., base_version: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorHeader, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ..., data: _Optional[_Iterable[_Union[DataRange, _Mapping]]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data", "seq", "payload_crc32")

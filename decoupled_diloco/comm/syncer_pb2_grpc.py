@@ -49,6 +49,11 @@ class SyncerStub:
                 request_serializer=decoupled__diloco_dot_comm_dot_syncer__pb2.StatusRequest.SerializeToString,
                 response_deserializer=decoupled__diloco_dot_comm_dot_syncer__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/decoupled_diloco.Syncer/Lease',
+                request_serializer=decoupled__diloco_dot_comm_dot_syncer__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=decoupled__diloco_dot_comm_dot_syncer__pb2.LeaseReply.FromString,
+                _registered_method=True)
         self.Push = channel.stream_unary(
                 '/decoupled_diloco.Syncer/Push',
                 request_serializer=decoupled__diloco_dot_comm_dot_syncer__pb2.PushChunk.SerializeToString,
@@ -78,6 +83,12 @@ class SyncerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lease(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +124,11 @@ def add_SyncerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=decoupled__diloco_dot_comm_dot_syncer__pb2.StatusRequest.FromString,
                     response_serializer=decoupled__diloco_dot_comm_dot_syncer__pb2.StatusReply.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=decoupled__diloco_dot_comm_dot_syncer__pb2.LeaseRequest.FromString,
+                    response_serializer=decoupled__diloco_dot_comm_dot_syncer__pb2.LeaseReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
@@ -206,6 +222,33 @@ class Syncer:
             '/decoupled_diloco.Syncer/Status',
             decoupled__diloco_dot_comm_dot_syncer__pb2.StatusRequest.SerializeToString,
             decoupled__diloco_dot_comm_dot_syncer__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/decoupled_diloco.Syncer/Lease',
+            decoupled__diloco_dot_comm_dot_syncer__pb2.LeaseRequest.SerializeToString,
+            decoupled__diloco_dot_comm_dot_syncer__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

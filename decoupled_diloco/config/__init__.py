@@ -19,7 +19,13 @@ from typing import Any
 import ml_collections
 
 from decoupled_diloco.config.checks import check
-from decoupled_diloco.config.derived import mesh_shape_for, overlap_steps, parse_mesh_shapes
+from decoupled_diloco.config.derived import (
+    data_leases,
+    max_learners,
+    mesh_shape_for,
+    overlap_steps,
+    parse_mesh_shapes,
+)
 from decoupled_diloco.config.processes import (
     COMPRESSION_SCHEMES,
     TOPK_VALUE_SCHEMES,
@@ -73,7 +79,9 @@ __all__ = [
     "SyncerConfig",
     "TOPK_VALUE_SCHEMES",
     "as_config_dict",
+    "data_leases",
     "from_config_dict",
+    "max_learners",
     "mesh_shape_for",
     "overlap_steps",
     "parse_mesh_shapes",

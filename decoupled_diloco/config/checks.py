@@ -53,6 +53,16 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
     )
     _check(0 <= d.alpha < 1, "decoupled.alpha", f"must be in [0, 1), got {d.alpha}")
     _check(
+        d.max_learners == 0 or d.max_learners >= c.num_learners,
+        "decoupled.max_learners",
+        f"must be 0 (2 x num_learners) or >= num_learners={c.num_learners}, got {d.max_learners}",
+    )
+    _check(
+        0 <= d.data_shards <= 65536,
+        "decoupled.data_shards",
+        f"must be in [0, 65536] (0: static shards), got {d.data_shards}",
+    )
+    _check(
         d.stale_anchor in ("syncer", "learner"),
         "decoupled.stale_anchor",
         f"expected 'syncer' or 'learner', got {d.stale_anchor!r}",

@@ -42,4 +42,16 @@ def mesh_shape_for(config: ExperimentConfig, learner_id: int, override: str) -> 
         if len(parts) != 2 or not all(x.isdigit() and int(x) >= 1 for x in parts):
             raise ValueError(f"--mesh_shape: {override!r} is not DATAxMODEL (e.g. 2x1)")
         return int(parts[0]), int(parts[1])
-    return parse_mesh_shapes(config)[learner_id]
+    shapes = parse_mesh_shapes(config)
+    # A learner that joined beyond the starting ones takes the default mesh.
+    return shapes[learner_id] if learner_id < len(shapes) else tuple(config.mesh.shape)
+
+
+def max_learners(config: ExperimentConfig) -> int:
+    """How many learner ids may register: `decoupled.max_learners`, else twice `num_learners`."""
+    return config.decoupled.max_learners or 2 * config.num_learners
+
+
+def data_leases(config: ExperimentConfig) -> bool:
+    """Whether learners train on data leases from the syncer's ledger (`decoupled.data_shards`)."""
+    return config.decoupled.data_shards > 0 and config.decoupled.syncer.shards == 1

@@ -141,6 +141,15 @@ class DecoupledConfig:
         "learner" (a whole island; the WAN lies between islands) or "process" (each process of
         a multi-process island: the island spans sites and its own collectives cross the
         links, as data-parallel training across data centres does).
+      max_learners: learner ids in [0, max_learners) may register, so learners beyond the
+        starting `num_learners` can join a running job; 0: twice `num_learners`.
+      data_shards: S, the training data is cut into this many shards, and the run's token
+        budget (`num_learners` · `train_steps` batches) into S leases that the syncer hands to
+        learners as they ask (its data ledger, see decoupled_diloco/syncer/ledger.py): a
+        learner that dies loses compute, not data (its lease is handed again from the last
+        accepted position), and a learner that joins takes its share. 0: static shards
+        (learner i trains windows i, i + M, ... for `train_steps` steps; its batches after its
+        last checkpoint are skipped when it restarts). Leases need one syncer shard.
       syncer: the syncer's address, security, transport and timing.
     """
 
@@ -160,6 +169,8 @@ class DecoupledConfig:
     island_heartbeat_s: int = 10
     wan_mbit: float = 0.0
     wan_sites: str = "learner"
+    max_learners: int = 0
+    data_shards: int = 64
     syncer: SyncerConfig = SyncerConfig()
 
 

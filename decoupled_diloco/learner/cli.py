@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 from typing import Any
@@ -69,6 +70,7 @@ def main(argv: list[str], warm: Any = None) -> None:
             controls=controls,
         )
         learner.startup.update(warm.startup if warm else {})
+        _leave_on_sigterm(learner)
     metrics = None
     if leader and values.metrics_port >= 0:  # docs/operations.md; served from now to the end
         from decoupled_diloco.comm import wire
@@ -92,6 +94,20 @@ def main(argv: list[str], warm: Any = None) -> None:
     print(f"[learner {learner.id}] done: {summary['steps']} steps, stall {stall:.2f}%", flush=True)
     if metrics is not None:
         metrics.stop()
+
+
+def _leave_on_sigterm(learner: Learner) -> None:
+    """SIGTERM: leave gracefully (finish the step, push, say done); a second one ends it now.
+
+    (A multi-process island keeps the default: its processes would not stop at the same step.)
+    """
+
+    def leave(*_: Any) -> None:
+        print(f"[learner {learner.id}] SIGTERM: leaving after this step", flush=True)
+        learner.leave()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 def start() -> None:

@@ -122,6 +122,14 @@ class DecoupledSync:
         self.steps_since = [0] * num
         self.tokens_since = [0] * num
         self.rounds = [0] * num
+        # Per fragment, the leased batches trained since its last push ([lease, begin, end)s;
+        # `syncer.ledger`): they go with the push.
+        self.data_since: list[list[list[int]]] = [[] for _ in range(num)]
+        # A lease handed again (`lease_started`): per fragment, (lease, position) up to which
+        # its pushes already hold the batches; the fragment's outer gradient then counts from
+        # θ after that position (`origin`, a host copy) instead of from its anchor.
+        self.skip: dict[int, tuple[int, int]] = {}
+        self.origin: list[list[np.ndarray] | None] = [None] * num
         # When each fragment is due (`learner.schedule`: staggered, every H or DyLU's H).
         self.schedule = Schedule(num, config.inner_steps, d.dynamic_local_updates)
         self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
@@ -263,6 +271,7 @@ class DecoupledSync:
             )
             self.encoder.in_params[p] = unsent
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
+            self.origin[p] = None  # the outer gradient counts from the new anchor
             self.applied.append(
                 dict(
                     fragment=p,
@@ -274,13 +283,17 @@ class DecoupledSync:
         self.sync_host_s += time.perf_counter() - t0
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def step_done(self, params: Params, tokens: int, loss: Any = None) -> None:
+    def step_done(
+        self, params: Params, tokens: int, loss: Any = None, data: tuple[int, int] | None = None
+    ) -> None:
         """Counts one finished inner step of `tokens` tokens; pushes the fragments now due.
 
         Args:
           params: the parameters after the step (device arrays; not modified).
           tokens: tokens the step trained on (all of this learner's devices together).
           loss: the step's loss (a device scalar is fine: read only by heartbeats).
+          data: (lease, position) of the leased batch the step trained on (`syncer.ledger`;
+            the built-in learner's, see `learner.leases`), or None.
         """
         if self._initial is not None:
             raise RuntimeError(
@@ -293,23 +306,49 @@ class DecoupledSync:
         if loss is not None:
             self.loss = loss
         for p in range(len(self.cut)):
+            if data is not None and p in self.skip and self.skip[p][0] == data[0]:
+                if data[1] + 1 >= self.skip[p][1]:  # covered up to here: count from θ now
+                    del self.skip[p]
+                    leaves = F.gather(self.treedef.flatten_up_to(params), self.cut[p])
+                    self.origin[p] = self._to_host(leaves)
+                continue
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
+            if data is not None:
+                ranges = self.data_since[p]
+                if ranges and ranges[-1][0] == data[0] and ranges[-1][2] == data[1]:
+                    ranges[-1][2] += 1
+                else:
+                    ranges.append([data[0], data[1], data[1] + 1])
         self.schedule.step_finished(self.step)
         for p in self.schedule.due(self.step):
-            self._launch(params, p)
+            if self.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
+                self._launch(params, p)
+
+    def lease_started(self, lease: int, begin: int, covered: list[int]) -> None:
+        """A lease (handed again) starts at `begin`; fragment p's pushes hold it to covered[p].
+
+        Until then fragment p counts none of the steps (they would be pushed twice); after
+        the step at covered[p] − 1 its outer gradient is taken from θ then, not its anchor.
+        """
+        for p, until in enumerate(covered):
+            if until > begin:
+                self.skip[p] = (lease, until)
 
     def arrived(self) -> dict[int, int]:
         """Merged fragments that have arrived and wait for their step: fragment -> version."""
         return self.inbox.waiting()
 
-    def flush(self, params: Params) -> float:
+    def flush(self, params: Params = None) -> float:
         """Pushes the steps since each fragment's last push; waits for them (bounded).
+
+        `params`: the parameters now; default those of the last `step_done`.
 
         Returns:
           Seconds spent waiting. Pushes still undelivered after 2 × `rpc_timeout_s` are
           given up (`pushes_unsent` in the summary).
         """
+        params = self._last if params is None else params
         for p in range(len(self.cut)):
             if self.steps_since[p]:
                 self._launch(params, p, final=True)
@@ -384,8 +423,10 @@ class DecoupledSync:
         if self.config.decoupled.keep_overlap and not final:
             # A device copy: the next step donates these buffers.
             self.at_push[p] = mesh_merge.device_copy(leaves)
+        # Δ = reference − θ: from the anchor, or from θ where a lease handed again was covered.
+        reference = self.anchor[p] if self.origin[p] is None else self.origin[p]
         if self.encoder.enabled:
-            local = self.encoder.encode(p, self.anchor[p], leaves)
+            local = self.encoder.encode(p, reference, leaves)
             self.compress_s += time.perf_counter() - t0
         else:
             # A host copy now: the next step donates (invalidates) these device buffers.
@@ -393,17 +434,23 @@ class DecoupledSync:
         self.sync_host_s += time.perf_counter() - t0
         # Undelivered older pushes of p may be folded into this one (`Outbox`).
         ticket = self.outbox.add(
-            p, self.versions[p], self.steps_since[p], self.tokens_since[p], not self.encoder.enabled
+            p,
+            self.versions[p],
+            self.steps_since[p],
+            self.tokens_since[p],
+            not self.encoder.enabled,
+            self.data_since[p],
         )
         job = Outgoing(
             p, self.rounds[p], self.versions[p], self.anchor[p], local,
-            ticket.steps, ticket.tokens, final, self.step, ticket,
+            ticket.steps, ticket.tokens, final, self.step, ticket, origin=self.origin[p],
         )  # fmt: skip
         # The round moves on before the job starts: `_sync` checks it to know whether a newer
         # push of p has taken over the wait for a merge.
         self.rounds[p] += 1
         self.jobs = [j for j in self.jobs if not j.done()] + [self.pool.submit(self._sync, job)]
         self.steps_since[p] = self.tokens_since[p] = 0
+        self.data_since[p] = []
 
     def _retried(self) -> None:
         self.retries += 1

@@ -4,15 +4,19 @@ r"""A learner: inner steps on its own mesh; its `DecoupledSync` link syncs fragm
       --learner_id=0 --config=experiments/configs/tiny_lm.py --config.mode=decoupled
 
 (flags: `__main__`, wiring: `cli`). The step loop is the island's jit-compiled inner step on
-batches of this learner's data shard; between steps it calls its link (`link.DecoupledSync`):
-`apply_arrivals` before a step, `step_done` after it. The link pushes each fragment's outer
-gradient when it is due and merges the merged fragment back when it arrives; the loop never
-waits for the syncer. Checkpoints and the data journal: `recovery`.
+batches of the data leases the syncer hands this learner (or of its static shard: `leases`);
+between steps it calls its link (`link.DecoupledSync`): `apply_arrivals` before a step,
+`step_done` after it. The link pushes each fragment's outer gradient when it is due, with the
+leased batches it trained on, and merges the merged fragment back when it arrives; the loop
+never waits for the syncer. `leave()` (SIGTERM) ends the loop at the next step: the learner
+pushes what it trained and tells the syncer it is done, which hands its leases to others.
+Checkpoints and (static shards) the data journal: `recovery`.
 """
 
 from __future__ import annotations
 
 import pathlib
+import threading
 import time
 from typing import Any
 
@@ -21,10 +25,10 @@ import jax
 from decoupled_diloco import planning, runtime
 from decoupled_diloco.comm.faulty_link import DegradedLink
 from decoupled_diloco.comm.shards import syncer_client
-from decoupled_diloco.config import ExperimentConfig, parse_mesh_shapes
+from decoupled_diloco.config import ExperimentConfig, data_leases, mesh_shape_for
 from decoupled_diloco.data.dataset import check_checkpointable, load_dataset
 from decoupled_diloco.island import Island
-from decoupled_diloco.learner import recovery
+from decoupled_diloco.learner import leases, recovery
 from decoupled_diloco.learner.link import DecoupledSync
 
 
@@ -64,7 +68,7 @@ class Learner:
         t_construct = time.time()  # restart timing: imports are done by now
         self.config, self.id, self.slowdown = config, learner_id, slowdown
         self.timeline, self.chaos = timeline, controls
-        shape = mesh_shape or parse_mesh_shapes(config)[learner_id]
+        shape = mesh_shape or mesh_shape_for(config, learner_id, "")
         devices = devices or jax.devices()[: shape[0] * shape[1]]
         self.mesh_name = f"{shape[0]}x{shape[1]}"
         self.island = island or Island(config, devices, mesh_shape=shape)
@@ -87,6 +91,8 @@ class Learner:
         self.startup["constructing"] = t_construct
         self._compiled = False
         self.state = "starting"  # as the timeline names it (`obs.timeline.STATES`)
+        self.leaving = threading.Event()  # `leave`: stop at the next step, flush, say done
+        self.leases_trained: list[int] = []  # leases it trained on, in order (with leases)
 
     sync_class = DecoupledSync  # a multi-process island's replaces its device<->host hooks
 
@@ -136,6 +142,27 @@ class Learner:
         """Registers with the syncer and takes the global fragments (`DecoupledSync.connect`)."""
         self.sync.connect(timeout_s, peers_s)
 
+    def leave(self) -> None:
+        """Asks the run to end at the next step boundary (a graceful leave: SIGTERM)."""
+        self.leaving.set()
+
+    def _lease(self, flushed: bool) -> Any:
+        """Asks the syncer for a data lease (a multi-process island's leader asks for all)."""
+        grant = self._ask(flushed)
+        if grant.status == "granted":
+            self.sync.lease_started(grant.lease, grant.begin, list(grant.covered))
+        return grant
+
+    def _ask(self, flushed: bool) -> Any:
+        """One lease request (`SyncerClient.lease`)."""
+        return self.sync.client.lease(self.id, flushed)
+
+    def _idle(self) -> None:
+        """No lease free yet: pushes everything trained so far, then waits for one."""
+        self._mark("blocked", self.step)
+        self.sync.flush()
+        self._mark("waiting", self.step)
+
     def _mark(self, state: str, step: int = -1) -> None:
         """Records a state change (`self.state`), and in the timeline if any."""
         self.state = state
@@ -150,9 +177,12 @@ class Learner:
         """Trains `train_steps` inner steps, then pushes what is left; returns a summary."""
         c = self.config
         dataset = load_dataset(c, task=self.island.task)  # the task's, or the config's data
-        batches = dataset.train_iterator(c.data.batch_size, self.id, c.num_learners, c.seed)
-        if self.checkpoints is not None:
-            check_checkpointable(batches, c)
+        leased = data_leases(c)
+        batches = None  # static shards: this learner's iterator (checkpointed with it)
+        if not leased:
+            batches = dataset.train_iterator(c.data.batch_size, self.id, c.num_learners, c.seed)
+            if self.checkpoints is not None:
+                check_checkpointable(batches, c)
         tokens_per_step = self.island.task.tokens_per_step(c.data.batch_size)
         self.startup["data_loaded"] = time.time()
         planning.check_island(self.island)  # the state's shards fit, before any is allocated
@@ -166,17 +196,40 @@ class Learner:
         # Start (or rejoin) from the syncer's global values, pulled by `connect`.
         params = self.sync.join(state.params, self.step, self.tokens)
         state = state._replace(params=params)
+        if leased:
+            source = leases.leased_batches(
+                dataset,
+                c.data.batch_size,
+                c.seed,
+                self._lease,
+                self._idle,
+                self.leaving,
+                log=lambda line: print(f"[learner {self.id}] {line}", flush=True),
+            )
+        else:
+            source = leases.static_batches(
+                dataset,
+                c.data.batch_size,
+                self.id,
+                c.num_learners,
+                c.seed,
+                c.train_steps - self.step,
+                self.leaving,
+                batches,
+            )
+        last_step = -1 if leased else c.train_steps  # with leases: when the budget is covered
         t_start = time.perf_counter()
-        for step in range(self.step + 1, c.train_steps + 1):
+        for step, (batch, where) in enumerate(source, start=self.step + 1):
+            if where is not None and where[0] not in self.leases_trained[-1:]:
+                self.leases_trained.append(where[0])
             state = state._replace(params=self.sync.apply_arrivals(state.params))
             first = not self._compiled  # this process's first step compiles
             self._mark("compiling" if first else "stepping", step)
             t_step = time.perf_counter()
-            batch = next(batches)
             if first:  # refused here, with what would fit, rather than out of memory
                 planning.check_island(self.island, self._batch(batch))
             self.data_position += 1
-            if self.checkpoints is not None:
+            if self.checkpoints is not None and not leased:
                 self.checkpoints.drew(self.data_position)  # before the step: see the data rule
             state, loss = self.island.step(state, self._batch(batch))
             slowdown = max(self.slowdown, self.chaos.slowdown() if self.chaos else 1.0)
@@ -188,15 +241,16 @@ class Learner:
                 self.startup["first_step"] = time.time()
                 print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
             self._compiled = True
-            self.sync.step_done(state.params, tokens_per_step, loss)
-            if self.checkpoints is not None and self.checkpoints.due(step, c.train_steps):
+            self.sync.step_done(state.params, tokens_per_step, loss, data=where)
+            if self.checkpoints is not None and self.checkpoints.due(step, last_step):
                 # Dispatched steps finish first: their compute is stepping time, not saving.
                 loss.block_until_ready()
                 self._mark("checkpointing", step)
                 self.checkpoints.save(self, state, batches)
-            if step % c.log_every == 0 or step == c.train_steps:
+            if step % c.log_every == 0 or step == last_step:
                 print(
-                    f"[learner {self.id}] step {step}/{c.train_steps} loss {float(loss):.3f} "
+                    f"[learner {self.id}] step {step}"
+                    f"{'' if leased else f'/{c.train_steps}'} loss {float(loss):.3f} "
                     f"versions {self.sync.versions} "
                     f"{self.sync.schedule.step_time_s * 1e3:.0f} ms/step",
                     flush=True,
@@ -235,6 +289,9 @@ class Learner:
             "data_position": self.data_position,
             "skipped_batches": self.skipped_batches,
             "lost_steps": self.lost_steps,
+            "data": "leases" if leased else "static shard",
+            "leases_trained": self.leases_trained,
+            "left": self.leaving.is_set(),
             "checkpoint_save_s": self.checkpoints.save_s if self.checkpoints else 0.0,
             "startup": self.startup,
             # Encoding on the mesh, done in the step loop (inside `sync_host_s`).

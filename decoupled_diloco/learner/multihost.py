@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import types
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -289,6 +290,25 @@ class MultihostLearner(Learner):
 
     def _make_sync(self, client: Any, **extra: Any) -> MultihostSync:
         return super()._make_sync(client, group=self.group, **extra)
+
+    def _ask(self, flushed: bool) -> Any:
+        """The leader asks for the island; every process trains the same lease."""
+        statuses = ("granted", "wait", "done", "off")
+        num = len(self.sync.cut)
+        row = np.zeros(5 + num, np.int64)
+        if self.group.is_leader:
+            g = super()._ask(flushed)
+            row[:5] = statuses.index(g.status), g.lease, g.begin, g.end, g.num_shards
+            row[5 : 5 + len(g.covered)] = list(g.covered)
+        row = [int(x) for x in np.asarray(broadcast(row))]
+        return types.SimpleNamespace(
+            status=statuses[row[0]],
+            lease=row[1],
+            begin=row[2],
+            end=row[3],
+            num_shards=row[4],
+            covered=row[5:] if statuses[row[0]] == "granted" else [],
+        )
 
     def _batch(self, batch: Any) -> Any:
         # Every process reads the same stream; each places only its own rows.

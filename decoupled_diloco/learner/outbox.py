@@ -40,6 +40,7 @@ class Unsent:
     steps: int
     tokens: int
     foldable: bool  # an uncompressed outer gradient: a newer one at the same base contains it
+    data: list[list[int]] = dataclasses.field(default_factory=list)  # leased batches it holds
     attempting: bool = False
     tried: bool = False  # an attempt was made: the syncer may hold it (and its counts)
     superseded: bool = False
@@ -61,9 +62,21 @@ class Outbox:
         self.pending: list[list[Unsent]] = [[] for _ in range(num_fragments)]
         self.folded = self.dropped = 0
 
-    def add(self, p: int, base: int, steps: int, tokens: int, foldable: bool) -> Unsent:
-        """Registers a new push of fragment p; folds or drops older undelivered ones."""
-        ticket = Unsent(p, base, steps, tokens, foldable)
+    def add(
+        self,
+        p: int,
+        base: int,
+        steps: int,
+        tokens: int,
+        foldable: bool,
+        data: list[list[int]] | None = None,
+    ) -> Unsent:
+        """Registers a new push of fragment p; folds or drops older undelivered ones.
+
+        `data`: the leased batches ([lease, begin, end)) it trained on; they go with its
+        counts when an older push is folded into it.
+        """
+        ticket = Unsent(p, base, steps, tokens, foldable, list(data or ()))
         with self.lock:
             for older in self.pending[p]:
                 if foldable and older.foldable and older.base == base and not older.attempting:
@@ -71,6 +84,7 @@ class Outbox:
                     if not older.tried:  # else the syncer may count them already
                         ticket.steps += older.steps
                         ticket.tokens += older.tokens
+                        ticket.data = older.data + ticket.data
                     self.folded += 1
             self.pending[p] = [x for x in self.pending[p] if not x.superseded]
             # Only pushes waiting between attempts count (one mid-attempt may be delivered).

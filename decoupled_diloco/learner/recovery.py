@@ -19,6 +19,10 @@ to the journal's position: the batches of the steps done after the last checkpoi
 work is lost with the process. Their data is skipped, not replayed (part of that work reached
 the syncer in pushes made after the checkpoint, so training on it again would count it twice);
 the skip is logged and counted (`skipped_batches`, `lost_steps` in the learner's summary).
+That rule is for static shards. With data leases (`learner.leases`) the data position is the
+syncer's: a restart asks for a lease, and the lease it held is handed again from the first
+batch its accepted pushes do not cover (`syncer.ledger`); nothing is skipped, and the
+checkpoint holds no data state.
 """
 
 from __future__ import annotations
@@ -132,12 +136,15 @@ class LearnerCheckpoints:
         self.journal.write(position)
 
     def save(self, learner: Any, state: Any, batches: Any) -> None:
-        """Starts an asynchronous checkpoint of `learner` after its current step."""
+        """Starts an asynchronous checkpoint of `learner` after its current step.
+
+        `batches`: the static shard's iterator (its position is saved), or None (leases).
+        """
         t0 = time.perf_counter()
         meta = {
             "step": learner.step,
             "tokens": learner.tokens,
-            "data": batches.get_state(),
+            "data": None if batches is None else batches.get_state(),
             "data_position": learner.data_position,
             "versions": list(learner.sync.versions),
             "rounds": list(learner.sync.rounds),
@@ -154,12 +161,15 @@ class LearnerCheckpoints:
     def restore(self, learner: Any, init: Callable[[], Any], batches: Any) -> Any:
         """Restores the newest readable checkpoint into `learner` and `batches`.
 
+        `batches`: the static shard's iterator (restored to the saved position, then the
+        batches drawn after it skipped), or None (data leases: no data state).
+
         Returns:
           The inner state to train on: the restored one, else `init()` (a fresh start, or no
           readable checkpoint). The caller then overwrites its parameters with the syncer's
           global fragments.
         """
-        drawn = self.journal.read()
+        drawn = self.journal.read() if batches is not None else 0
         items = learner.checkpoint_items()
         target = {"inner": learner.island.abstract_state, **_abstract(items)}
         found = self.checkpointer.restore_latest(target)
@@ -171,7 +181,8 @@ class LearnerCheckpoints:
             _, tree, meta = found
             state = tree["inner"]
             learner.restore_items({name: tree[name] for name in items})
-            batches.set_state(meta["data"])
+            if batches is not None:
+                batches.set_state(meta["data"])
             learner.step, learner.tokens = meta["step"], meta["tokens"]
             learner.data_position = meta["data_position"]
             learner.skipped_batches = meta["skipped_batches"]

@@ -55,6 +55,8 @@ class Outgoing:
     final: bool  # the last push of the run: no merge is waited for
     pushed_at: int  # the step after which it left
     ticket: Unsent | None = None
+    data: list[list[int]] = dataclasses.field(default_factory=list)  # leased batches it holds
+    origin: list[np.ndarray] | None = None  # Δ = origin − θ instead of anchor − θ (`lease_started`)
 
 
 @dataclasses.dataclass
@@ -106,7 +108,8 @@ def round_trip(
     if isinstance(job.local, Encoded):  # compressed on the mesh by the step loop
         arrays, tensors = job.local.arrays, wire.headers(specs, codec)
     else:
-        arrays, tensors = outer.outer_gradient(job.anchor, job.local), None
+        reference = job.anchor if job.origin is None else job.origin
+        arrays, tensors = outer.outer_gradient(reference, job.local), None
     send = functools.partial(
         client.push,
         learner_id=learner_id,
@@ -119,6 +122,7 @@ def round_trip(
         arrays=arrays,
         tensors=tensors,
         retries=0,  # retried here, not inside the client too
+        data=job.ticket.data if job.ticket is not None else job.data,
     )
     t0 = time.perf_counter()
     if job.ticket is not None and outbox is not None:

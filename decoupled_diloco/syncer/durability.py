@@ -97,6 +97,7 @@ def snapshot(
         "ema": [state.ema_step.value, state.ema_quorum.value, state.ema_sync.value],
         "merge_sizes": list(state.merge_sizes),
         "merge_log": state.merge_log[-200:],
+        "ledger": None if state.ledger is None else state.ledger.to_json(),
         "wall_time": time.time(),
     }
     return tree, meta, published
@@ -179,7 +180,10 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
             (state.ema_step, state.ema_quorum, state.ema_sync), meta["ema"], strict=True
         ):
             ema.value = value
-        state.merge_sizes = list(meta["merge_sizes"])
+        sizes = list(meta["merge_sizes"])
+        state.merge_sizes = sizes + [0] * (len(state.merge_sizes) - len(sizes))
+        if state.ledger is not None and meta.get("ledger"):
+            state.ledger.load(meta["ledger"])
         state.merge_log = list(meta["merge_log"])
         state.seq = state.committed_seq = meta["seq"]
 

@@ -39,14 +39,14 @@ from absl import logging
 
 from decoupled_diloco.comm.auth import OPERATOR
 from decoupled_diloco.comm.retry import RETRY_TRAILER
-from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.config import ExperimentConfig, max_learners
 
 CONTROL_THREADS = 16  # threads the data calls can never take (Register, Heartbeat, Status)
 
 
 def control_slots(config: ExperimentConfig) -> int:
-    """Control calls served at once: 2 per learner, and `CONTROL_THREADS` for the operator."""
-    return 2 * config.num_learners + CONTROL_THREADS
+    """Control calls served at once: 2 per learner id, and `CONTROL_THREADS` for the operator."""
+    return 2 * max_learners(config) + CONTROL_THREADS
 
 
 def streams_per_learner(config: ExperimentConfig) -> int:
@@ -59,8 +59,8 @@ def streams_per_learner(config: ExperimentConfig) -> int:
 
 
 def data_slots(config: ExperimentConfig) -> int:
-    """Data calls served at once: every learner's streams, + 8 (evaluator, status tools)."""
-    return config.num_learners * streams_per_learner(config) + 8
+    """Data calls served at once: every learner id's streams, + 8 (evaluator, status tools)."""
+    return max_learners(config) * streams_per_learner(config) + 8
 
 
 class Activity:

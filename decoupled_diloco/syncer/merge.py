@@ -158,11 +158,12 @@ class FragmentMath:
         if not isinstance(payload, Payload):
             payload = Payload.of_arrays(frag.specs, payload)
         parts = [(push.base_version, payload)]
-        steps, tokens = push.steps, push.tokens
+        steps, tokens, data = push.steps, push.tokens, list(push.data)
         previous = frag.pending.pop(push.learner_id, None)
         if previous is not None:  # A newer push from the same learner supersedes the older one.
             self.unfold(frag, previous)
             steps, tokens = steps + previous.steps, tokens + previous.tokens
+            data = previous.data + data  # the newer outer gradient holds both's training
             if not self.by_syncer and previous.base_version != push.base_version:
                 # Anchored at different versions, the two outer gradients hold disjoint
                 # progress (the learner was overwritten in between): keep both (state: the
@@ -179,6 +180,7 @@ class FragmentMath:
             push.incarnation,
             parts,
             outer.token_weight(tokens, steps),
+            data=data,
         )
         self.fold(frag, pending)
         # From here on it is read back from its stored copy (if any), not the caller's buffer.
@@ -208,8 +210,11 @@ class FragmentMath:
         if pending.coef > 0:
             frag.round.fold(self.tensors(frag, pending.parts), -pending.coef)
 
-    def close(self, frag: FragmentState, pushes: Sequence[Pending]) -> Merged | str:
+    def close(self, frag: FragmentState, pushes: Sequence[Pending], live: int) -> Merged | str:
         """The round's shares, merged outer gradient and outer step; or why it is refused.
+
+        `live`: the learners that count as alive now (a "share" merge's k/M takes M from them,
+        so that a learner joining or leaving changes the share).
 
         The round's sums are changed in place (the caller drops the round on an exception).
         Returns the result to install, or the reason the check refused it (nothing changed
@@ -232,9 +237,10 @@ class FragmentMath:
             prescale = 1.0
         for x, coef in corrections:
             frag.round.fold(self.tensors(frag, x.parts), coef)
-        # "share": a merge of k of the M learners moves the fragment k/M of the way a merge of
-        # all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
-        fraction = len(pushes) / self.config.num_learners if d.partial_merge == "share" else 1.0
+        # "share": a merge of k of the M live learners moves the fragment k/M of the way a merge
+        # of all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
+        members = max(live, len(pushes))
+        fraction = len(pushes) / members if d.partial_merge == "share" else 1.0
         merged = frag.round.finish(fraction, prescale)
         buffer = frag.round.buffer
         # Averaged state (batch statistics) is the weighted mean itself: Θ − mean(Θ − θ_m).

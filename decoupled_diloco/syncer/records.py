@@ -54,6 +54,7 @@ class Push:
     tokens: int
     delta: Any
     incarnation: int = 0  # of the registration that sent it (`SyncerState.register`)
+    data: list[list[int]] = dataclasses.field(default_factory=list)  # [lease, begin, end)s
 
 
 @dataclasses.dataclass
@@ -66,6 +67,7 @@ class Pending:
       weight: its token weight (tokens²/steps of all parts together).
       coef: its coefficient in the round's sums (`core.accumulate.RoundSum`), relative to the
         round's first weight; 0: not folded (held back, added when the round closes).
+      data: the leased batches its outer gradients trained on (`syncer.ledger`).
     """
 
     learner_id: int
@@ -77,6 +79,7 @@ class Pending:
     parts: list[tuple[int, Any]]
     weight: float
     coef: float = 0.0
+    data: list[list[int]] = dataclasses.field(default_factory=list)  # leased batches it holds
 
     def describe(self) -> dict[str, Any]:
         """What the write-ahead log and snapshots record of it (JSON)."""

@@ -26,6 +26,7 @@ from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm.retry import RETRY_TRAILER
+from decoupled_diloco.config import max_learners
 from decoupled_diloco.core import compression
 from decoupled_diloco.syncer import admission, streams
 from decoupled_diloco.syncer.downlink import Downlink
@@ -176,11 +177,12 @@ class SyncerService(pb_grpc.SyncerServicer):
     def Register(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
         request = self._parse(pb.RegisterRequest, raw, context)
         self._as(identity, request.learner_id, context)
-        if not 0 <= request.learner_id < self.state.config.num_learners:
+        limit = max_learners(self.state.config)
+        if not 0 <= request.learner_id < limit:
             self._refuse(
                 context,
                 _INVALID,
-                f"learner id {request.learner_id} is not in [0, {self.state.config.num_learners})",
+                f"learner id {request.learner_id} is not in [0, {limit}) (decoupled.max_learners)",
             )
         if request.fingerprint != self.fingerprint:
             what = admission.fingerprint_mismatch(request.fingerprint, self.fingerprint)
@@ -227,6 +229,21 @@ class SyncerService(pb_grpc.SyncerServicer):
         )
         return pb.HeartbeatReply(
             versions=versions, fastest_step_time_s=self.state.fastest_step_time()
+        )
+
+    def Lease(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
+        r = self._parse(pb.LeaseRequest, raw, context)
+        self._as(identity, r.learner_id, context)
+        self._known(r.learner_id, context)
+        grant = self.state.lease(r.learner_id, r.flushed)
+        self._durable(context)  # a grant a restart would forget is never handed out
+        return pb.LeaseReply(
+            status=grant.status,
+            lease=grant.lease,
+            begin=grant.begin,
+            end=grant.end,
+            num_shards=grant.num_shards,
+            covered=grant.covered,
         )
 
     def Status(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
@@ -288,6 +305,9 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(context, _INVALID, f"base version {h.base_version} is from the future")
         if h.base_version < 0:
             self._refuse(context, _INVALID, f"base version {h.base_version} is negative")
+        error = self.state.check_data(h.learner_id, h.steps, _ranges(h))
+        if error:
+            self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
         # The bytes go to a file of the push store as they arrive (never a buffer of the
         # whole payload in memory), as many as the headers declared; they are read back and
         # decoded one tensor at a time.
@@ -371,6 +391,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             h.tokens,
             delta,
             incarnation=h.incarnation,
+            data=_ranges(h),
         )
 
     def _cannot_store(self, context: grpc.ServicerContext, error: OSError) -> None:
@@ -427,6 +448,11 @@ class SyncerService(pb_grpc.SyncerServicer):
             self.state.record_sync_time(request.fragment, version, request.learner_id)
 
 
+def _ranges(h: pb.PushHeader) -> list[list[int]]:
+    """A push header's data ranges, [lease, begin, end) each."""
+    return [[r.lease, r.begin, r.end] for r in h.data]
+
+
 def _serialize(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
@@ -443,7 +469,7 @@ def add_service(service: SyncerService, server: grpc.Server) -> None:
         name: grpc.stream_unary_rpc_method_handler(
             service._control_call(getattr(service, name)), None, _serialize
         )
-        for name in ("Register", "Heartbeat", "Status")
+        for name in ("Register", "Heartbeat", "Status", "Lease")
     }
     handlers.update(
         {

@@ -42,9 +42,10 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from decoupled_diloco.config import ExperimentConfig, overlap_steps
+from decoupled_diloco.config import ExperimentConfig, data_leases, max_learners, overlap_steps
 from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
+from decoupled_diloco.syncer import ledger as ledger_lib
 from decoupled_diloco.syncer import merge, view
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import (
@@ -56,6 +57,9 @@ from decoupled_diloco.syncer.records import (
     PushResult,
     grace_window,
 )
+
+# Data ranges one push may carry (leases its outer gradient spans; each lease is one range).
+MAX_DATA_RANGES = 256
 
 
 class PushRefused(ValueError):
@@ -116,10 +120,25 @@ class SyncerState:
         # stops serving and its process exits, and a restart resumes from the log as it is.
         self.wal_failed, self.wal_failed_seq = "", 0
         self.learners: dict[int, LearnerInfo] = {}
+        # Joins, restarts, leaves and losses of learners, in order (`_membership`).
+        self.membership: list[dict[str, Any]] = []
+        self._live: set[int] = set()
         self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
         self.merge_log: list[dict[str, Any]] = []
         # How many learners each merge combined: index k counts merges of k outer gradients.
-        self.merge_sizes = [0] * (config.num_learners + 1)
+        self.merge_sizes = [0] * (max_learners(config) + 1)
+        # The run's data as leases, and which of it merges hold (`syncer.ledger`); None with
+        # static shards.
+        self.ledger = (
+            ledger_lib.Ledger(
+                config.num_learners * config.train_steps,
+                d.data_shards,
+                len(fragments),
+                config.data.batch_size,
+            )
+            if data_leases(config)
+            else None
+        )
         self.seen: dict[tuple[int, int, int], PushResult] = {}
         self.lock = threading.Condition()
         self.store: Any = None  # `syncer.payloads.PushStore` of the pushes in open rounds
@@ -162,8 +181,31 @@ class SyncerState:
             # A (re)registration is a new incarnation that numbers its rounds from 0 again:
             # forget the old one's idempotency keys, or its first pushes would look like retries.
             self.seen = {k: v for k, v in self.seen.items() if k[0] != learner_id}
+            if self.ledger is not None:  # the old incarnation's leases are handed again
+                self.ledger.release(learner_id)
+            self._membership("joined" if info.incarnation == 0 else "restarted", learner_id)
             self._changed("register", learner_id)  # a restart must not resurrect old keys
             return self.versions(), info.incarnation
+
+    def _membership(self, event: str, learner_id: int) -> None:
+        """Logs a change of the live set (call under the lock)."""
+        live = set(self.live_learners(self.clock()))
+        self.membership.append(
+            {
+                "t": round(self.clock() - self.started, 3),
+                "event": event,
+                "learner": learner_id,
+                "live": sorted(live),
+            }
+        )
+        self._live = live
+
+    def _check_membership(self) -> None:
+        """Logs learners that went silent past `learner_timeout_s` (call under the lock)."""
+        live = set(self.live_learners(self.clock()))
+        for i in sorted(self._live - live):
+            self._membership("left" if self.learners[i].state == "done" else "lost", i)
+        self._live = live
 
     def heartbeat(self, learner_id: int, **fields: Any) -> list[int]:
         """Records a learner's progress; returns the fragment versions."""
@@ -172,11 +214,49 @@ class SyncerState:
             for name, value in fields.items():
                 setattr(info, name, value)
             info.last_seen = self.clock()
+            if learner_id not in self._live and info.state == "training":
+                self._membership("back", learner_id)  # silent past the timeout, then heard
             info.observe_pace(info.last_seen)
             if info.step_time_s > 0:
                 self.ema_step.update(info.dylu_step_time())
             self.lock.notify_all()  # a learner that finished may complete a quorum
             return self.versions()
+
+    def lease(self, learner_id: int, flushed: bool) -> ledger_lib.Grant:
+        """Hands a registered learner a lease of data not covered yet (`Ledger.grant`)."""
+        with self.lock:
+            if self.ledger is None:
+                return ledger_lib.Grant("off")
+            live = self.live_learners(self.clock())
+            grant = self.ledger.grant(learner_id, live, flushed, self.pending_ranges())
+            if grant.status == "granted":
+                self._changed("lease", learner_id, grant.lease)
+            return grant
+
+    def check_data(self, learner_id: int, steps: int, data: list[list[int]]) -> str | None:
+        """Why a push's data ranges are refused (None: none given, or they are sound).
+
+        They must lie inside leases the learner was handed, and count its inner steps: one
+        batch per step.
+        """
+        if not data:
+            return None
+        if self.ledger is None:
+            return "data ranges given, but this run has no data leases (decoupled.data_shards)"
+        with self.lock:
+            error = self.ledger.check_ranges(learner_id, data, MAX_DATA_RANGES)
+        if error is None and sum(end - begin for _, begin, end in data) != steps:
+            error = f"data ranges hold {sum(e - b for _, b, e in data)} batches, steps={steps}"
+        return error
+
+    def pending_ranges(self) -> list[list[list[int]]]:
+        """Per fragment, the data ranges of accepted pushes waiting in open rounds."""
+        return [[r for x in f.pending.values() for r in x.data] for f in self.fragments]
+
+    def data_ledger(self) -> dict[str, Any] | None:
+        """The ledger's report (`Ledger.report`), or None with static shards."""
+        with self.lock:
+            return None if self.ledger is None else self.ledger.report(self.pending_ranges())
 
     def versions(self) -> list[int]:
         """Every fragment's published version (what learners may hold); call under the lock."""
@@ -313,6 +393,7 @@ class SyncerState:
     def tick(self) -> None:
         """Closes every round whose grace window has passed (call periodically)."""
         with self.lock:
+            self._check_membership()
             for p in range(len(self.fragments)):
                 self._maybe_close(p)
 
@@ -322,7 +403,7 @@ class SyncerState:
             times = [f.quorum_t + f.grace_s for f in self.fragments if f.quorum_t is not None]
             return min(times) if times else None
 
-    def _merge(self, p: int) -> None:
+    def _merge(self, p: int, live: int | None = None) -> None:
         """Closes fragment p's round (see `_close`); a close that fails drops the round.
 
         The round's sums are changed in place as it closes, so a failure half-way (a push file
@@ -330,18 +411,21 @@ class SyncerState:
         merge's are (logged by learner), and the fragment stays as it was.
         """
         try:
-            self._close(p)
+            self._close(p, len(self.live_learners(self.clock())) if live is None else live)
         except Exception as error:  # noqa: BLE001 - any failure: the same consistent way out
             frag = self.fragments[p]
             pushes = [frag.pending[i] for i in sorted(frag.pending)]
             self._refuse_merge(p, pushes, f"the merge failed: {type(error).__name__}: {error}")
 
-    def _close(self, p: int) -> None:
-        """Closes fragment p's round (`syncer.merge`) and installs the result if it passes."""
+    def _close(self, p: int, live: int) -> None:
+        """Closes fragment p's round (`syncer.merge`) and installs the result if it passes.
+
+        `live`: the live learners the merge's share counts (logged: a replay uses the same).
+        """
         t0 = time.perf_counter()
         frag = self.fragments[p]
         pushes = [frag.pending[i] for i in sorted(frag.pending)]
-        result = self.math[p].close(frag, pushes)
+        result = self.math[p].close(frag, pushes, live)
         if isinstance(result, str):
             self._refuse_merge(p, pushes, result)
             return
@@ -356,6 +440,9 @@ class SyncerState:
             publish=not self.durable,  # else the committer publishes it once it is on disk
         )
         self.merge_sizes[len(pushes)] += 1
+        if self.ledger is not None:
+            for x in pushes:
+                self.ledger.record_merge(p, x.data)
         now = self.clock()
         emas = {"step": self.ema_step, "quorum": self.ema_quorum, "sync": self.ema_sync}
         self.merge_log.append(
@@ -365,7 +452,7 @@ class SyncerState:
         frag.closed_t = now
         for x in pushes:
             self._release(x.parts)
-        self._changed("merge", p)
+        self._changed("merge", p, live)
 
     def _refuse_merge(self, p: int, pushes: list[Pending], error: str) -> None:
         """Drops a round whose merge failed its check; the fragment stays as it was."""

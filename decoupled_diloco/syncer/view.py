@@ -51,4 +51,8 @@ def status(state: Any) -> dict[str, Any]:
                 "sync_s": state.ema_sync.get(),
             },
             "merge_log": state.merge_log[-200:],
+            "membership": state.membership[-200:],
+            "data_ledger": None
+            if state.ledger is None
+            else state.ledger.report(state.pending_ranges()),
         }

@@ -162,9 +162,18 @@ def _describe(state: SyncerState, kind: str, *args: Any) -> tuple[dict[str, Any]
             "dropped": dropped,
         }, []
     if kind == "merge":  # replayed by merging again: the same pushes give the same values
-        (p,) = args
+        p, live = args
         f = state.fragments[p]
-        return {"kind": kind, "seq": state.seq, "fragment": p, "version": f.version}, []
+        return {
+            "kind": kind,
+            "seq": state.seq,
+            "fragment": p,
+            "version": f.version,
+            "live": live,
+        }, []
+    if kind == "lease":  # a lease handed to a learner
+        learner, lease = args
+        return {"kind": kind, "seq": state.seq, "learner": learner, "lease": lease}, []
     raise ValueError(f"unknown syncer change {kind!r}")
 
 
@@ -177,6 +186,10 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
         info.mesh, info.state, info.last_seen = header["mesh"], "training", now
         info.incarnation = header.get("incarnation", info.incarnation + 1)
         state.seen = {k: v for k, v in state.seen.items() if k[0] != learner}
+        if state.ledger is not None:
+            state.ledger.release(learner)
+    elif kind == "lease":
+        state.ledger.take(header["lease"], header["learner"])
     elif kind == "push":
         learner, p, rnd = header["key"]
         f = state.fragments[p]
@@ -204,7 +217,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
         f = state.fragments[p]
         hook, state.merge_hook = state.merge_hook, None
         try:
-            state._merge(p)
+            state._merge(p, live=header.get("live"))
         finally:
             state.merge_hook = hook
         if f.version != header["version"]:

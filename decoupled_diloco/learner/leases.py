@@ -1,0 +1,92 @@
+"""A learner's training data: leases from the syncer's data ledger, or its static shard.
+
+With data leases (`decoupled.data_shards` > 0, see `syncer.ledger`) the learner asks the syncer
+for a lease, trains its batches (lease k is the dataset's shard k of S: the same data order
+whoever trains it), and asks again at its end. Every batch comes with where it is from
+((lease, position): the link reports it with each push). When no lease is free but leases
+that other live learners hold are not covered yet, the learner pushes everything it trained
+(`on_idle`: its final flush) and asks again every `poll_s`: a learner that dies meanwhile
+leaves its lease to it. It stops when the syncer says the whole budget is covered.
+
+Without leases (static shards), learner i trains its shard i of M for `train_steps` steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Batch = Any
+Where = tuple[int, int] | None  # (lease, position) of a leased batch
+
+
+def leased_batches(
+    dataset: Any,
+    batch_size: int,
+    seed: int,
+    ask: Callable[[bool], Any],
+    on_idle: Callable[[], None],
+    stop: threading.Event,
+    poll_s: float = 0.5,
+    log: Callable[[str], None] = print,
+) -> Iterator[tuple[Batch, Where]]:
+    """Batches of the leases the syncer hands out, each with its (lease, position).
+
+    Args:
+      dataset: the run's `Dataset` (its `train_iterator(batch_size, k, S, seed)` is lease k).
+      batch_size: rows per batch.
+      seed: the run's seed (the data order within each shard).
+      ask: asks the syncer for a lease (`SyncerClient.lease`); given whether everything
+        trained so far has been pushed.
+      on_idle: pushes everything trained so far (called before waiting for a lease).
+      stop: set to stop at the next batch (a learner leaving).
+      poll_s: how often to ask again while no lease is free.
+      log: where lease changes are reported.
+    """
+    flushed = False
+    while not stop.is_set():
+        grant = ask(flushed)
+        if grant.status == "granted":
+            batches = dataset.train_iterator(batch_size, grant.lease, grant.num_shards, seed)
+            for _ in range(grant.begin):  # positions already covered: the same order again
+                next(batches)
+            if grant.begin:
+                log(f"lease {grant.lease} from batch {grant.begin} of {grant.end} (handed again)")
+            for position in range(grant.begin, grant.end):
+                if stop.is_set():
+                    return
+                yield next(batches), (grant.lease, position)
+            flushed = False
+        elif grant.status == "wait":
+            if not flushed:
+                on_idle()
+                flushed = True
+            stop.wait(poll_s)
+        elif grant.status == "done":
+            return
+        else:
+            raise RuntimeError(
+                f"the syncer hands no data leases (status {grant.status!r}): it was started "
+                "with decoupled.data_shards=0 or several shards; start learners and syncer "
+                "from the same config"
+            )
+
+
+def static_batches(
+    dataset: Any,
+    batch_size: int,
+    learner_id: int,
+    num_learners: int,
+    seed: int,
+    steps: int,
+    stop: threading.Event,
+    batches: Any = None,
+) -> Iterator[tuple[Batch, Where]]:
+    """`steps` batches of learner `learner_id`'s static shard (`batches`: its iterator)."""
+    if batches is None:
+        batches = dataset.train_iterator(batch_size, learner_id, num_learners, seed)
+    for _ in range(steps):
+        if stop.is_set():
+            return
+        yield next(batches), None

@@ -1,0 +1,276 @@
+"""The syncer's data ledger: the run's data as leases, and which of it the global model holds.
+
+The run's token budget is `num_learners` · `train_steps` batches. It is cut into S leases
+(`decoupled.data_shards`, fewer when the budget has fewer batches): lease k is the first
+`length(k)` batches of the dataset's shard k of S (`Dataset.train_iterator(batch_size, k, S,
+seed)`: the same seed gives the same data order per shard, whoever trains it). A learner asks
+for a lease (`grant`) when it starts and whenever it has trained its current one to the end;
+every push it makes says which batches of which leases its outer gradient holds (`DataRange`s:
+lease, first position, end), per fragment.
+
+A batch is *consumed* by fragment p when a merge of p holds a push that trained on it (pushes
+of a refused merge do not count: their rounds are dropped). Coverage counts accepted pushes
+still waiting in an open round too (they will be merged, or refused and then handed again). A
+lease's *start* is the first position some fragment does not cover yet: what is handed again
+when its holder is gone (a learner that registered again, a learner silent past
+`learner_timeout_s`, or the holder itself once it has flushed everything and a hole is left,
+e.g. by a push refused as late). So a learner that dies loses the steps it trained since its
+pushes, not their data: the next holder trains them again.
+
+With P > 1 fragments, pushed on staggered schedules, a learner that dies has pushed some
+fragments further into its lease than others; the next holder starts at the least covered
+position, so the fragments that were further along see those batches twice (`repeated`, per
+fragment, in `report`). With P = 1 nothing is lost or repeated.
+
+Pure bookkeeping (no I/O, no locks): `SyncerState` owns one and calls it under its lock; its
+state goes into the syncer's snapshots (`to_json`) and every grant into the write-ahead log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+Range = Sequence[int]  # [lease, begin, end): batches begin..end-1 of one lease
+
+# How many uncovered ranges `report` lists (it counts them all).
+LISTED_RANGES = 20
+
+
+@dataclasses.dataclass
+class Grant:
+    """The answer to a lease request (mirrors `LeaseReply`).
+
+    Attributes:
+      status: "granted" (train `lease` from `begin` to `end`), "wait" (none free now, but
+        leases held by other live learners are not covered yet: one may be handed again, ask
+        again after flushing), "done" (every batch of the budget is covered).
+      lease: the lease (shard of the data) granted, else -1.
+      begin: the first batch position to train.
+      end: one past the last.
+      num_shards: S, the shard count the data is cut into.
+      covered: per fragment, how far its accepted pushes reach into the lease (>= `begin`):
+        the learner trains from `begin` but pushes fragment p only what it trains after
+        `covered[p]` (so no fragment sees a batch twice).
+    """
+
+    status: str
+    lease: int = -1
+    begin: int = 0
+    end: int = 0
+    num_shards: int = 0
+    covered: list[int] = dataclasses.field(default_factory=list)
+
+
+def split(total_batches: int, shards: int) -> list[int]:
+    """Batches per lease: `total_batches` over min(`shards`, `total_batches`) leases, evenly."""
+    n = max(min(shards, total_batches), 1)
+    return [total_batches // n + (k < total_batches % n) for k in range(n)]
+
+
+def _prefix(intervals: Iterable[Range], length: int) -> int:
+    """The end of the covered prefix of [0, length) under `intervals` of one lease."""
+    end = 0
+    for _, begin, stop in sorted(intervals, key=lambda r: r[1]):
+        if begin > end:
+            break
+        end = max(end, stop)
+    return min(end, length)
+
+
+class Ledger:
+    """Leases of the run's data and their coverage by merged pushes (see the module doc).
+
+    Args:
+      total_batches: the run's budget in batches (`num_learners` · `train_steps`).
+      shards: S requested (`decoupled.data_shards`).
+      num_fragments: P.
+      batch_size: windows (examples) per batch, for `report`.
+    """
+
+    def __init__(self, total_batches: int, shards: int, num_fragments: int, batch_size: int):
+        self.lengths = split(total_batches, shards)
+        self.num_fragments, self.batch_size = num_fragments, batch_size
+        n = len(self.lengths)
+        self.holder = [-1] * n  # learner id holding each lease (-1: none)
+        self.grants = [0] * n  # times each lease was handed
+        self.held_by: list[list[int]] = [[] for _ in range(n)]  # who was ever handed each
+        # Per fragment: the ranges merged rounds of that fragment hold (in merge order).
+        self.merged: list[list[list[int]]] = [[] for _ in range(num_fragments)]
+
+    @property
+    def num_shards(self) -> int:
+        """S actually used (the budget may have fewer batches than `data_shards`)."""
+        return len(self.lengths)
+
+    def check_ranges(self, learner: int, ranges: Sequence[Range], max_ranges: int) -> str | None:
+        """Why a push's data ranges are refused (None: well-formed, of leases `learner` held)."""
+        if len(ranges) > max_ranges:
+            return f"{len(ranges)} data ranges, more than {max_ranges}"
+        for lease, begin, end in ranges:
+            if not 0 <= lease < self.num_shards:
+                return f"data range of lease {lease}, not in [0, {self.num_shards})"
+            if learner not in self.held_by[lease]:
+                return f"data range of lease {lease}, which learner {learner} was never handed"
+            if not 0 <= begin < end <= self.lengths[lease]:
+                return (
+                    f"data range [{begin}, {end}) of lease {lease} is empty or outside its "
+                    f"{self.lengths[lease]} batches"
+                )
+        return None
+
+    def covered(self, pending: Sequence[Sequence[Range]]) -> list[list[int]]:
+        """Per lease, per fragment: the end of the prefix its pushes cover (merged or pending).
+
+        Args:
+          pending: per fragment, the ranges of its accepted pushes not merged yet.
+        """
+        out = [[0] * self.num_fragments for _ in self.lengths]
+        for p in range(self.num_fragments):
+            by_lease: dict[int, list[Range]] = {}
+            for r in (*self.merged[p], *(pending[p] if pending else ())):
+                by_lease.setdefault(r[0], []).append(r)
+            for k, length in enumerate(self.lengths):
+                out[k][p] = _prefix(by_lease.get(k, ()), length)
+        return out
+
+    def release(self, learner: int) -> None:
+        """Frees every lease `learner` holds (it registered again, or left for good)."""
+        self.holder = [-1 if h == learner else h for h in self.holder]
+
+    def grant(
+        self,
+        learner: int,
+        live: Iterable[int],
+        flushed: bool,
+        pending: Sequence[Sequence[Range]],
+    ) -> Grant:
+        """Hands `learner` a lease whose data is not covered yet (see the module doc).
+
+        Args:
+          learner: who asks.
+          live: the learners that count as alive (others' leases may be handed again).
+          flushed: the asker has pushed everything it trained, so a hole left in a lease it
+            holds can be handed back to it.
+          pending: per fragment, the ranges of accepted pushes not merged yet.
+        """
+        live = set(live) | {learner}
+        covered = self.covered(pending)
+        starts = [min(c) for c in covered]
+        free = [
+            k
+            for k, h in enumerate(self.holder)
+            if starts[k] < self.lengths[k]
+            and (h == -1 or h not in live or (h == learner and flushed))
+        ]
+        if not free:
+            if any(s < n for s, n in zip(starts, self.lengths, strict=True)):
+                return Grant("wait", num_shards=self.num_shards)
+            return Grant("done", num_shards=self.num_shards)
+        # Leases handed before (a dead learner's tail) first: their data is the oldest.
+        lease = min(free, key=lambda k: (self.grants[k] == 0, k))
+        self.take(lease, learner)
+        return Grant(
+            "granted",
+            lease,
+            starts[lease],
+            self.lengths[lease],
+            self.num_shards,
+            covered[lease],
+        )
+
+    def take(self, lease: int, learner: int) -> None:
+        """Records that `learner` holds `lease` (a grant, or its replay from the log)."""
+        self.holder[lease] = learner
+        self.grants[lease] += 1
+        if learner not in self.held_by[lease]:
+            self.held_by[lease].append(learner)
+
+    def record_merge(self, fragment: int, ranges: Iterable[Range]) -> None:
+        """A merge of `fragment` holds pushes that trained on `ranges`."""
+        self.merged[fragment].extend([int(x) for x in r] for r in ranges)
+
+    def report(self, pending: Sequence[Sequence[Range]] = ()) -> dict[str, Any]:
+        """The data ledger in windows: consumed once, missing, repeated (`summary.json`).
+
+        A batch counts as consumed once when every fragment's merges hold it exactly once;
+        missing when some fragment's do not hold it (`pending`: the share of those that an
+        accepted push not merged yet holds); repeated when some fragment's hold it twice or
+        more. The first `LISTED_RANGES` missing ranges are listed with the fragments that
+        lack them.
+        """
+        offsets = np.cumsum([0, *self.lengths])
+        total = int(offsets[-1])
+        counts = np.zeros((self.num_fragments, total), np.int32)
+        waiting = np.zeros(total, bool)
+        for p in range(self.num_fragments):
+            for lease, begin, end in self.merged[p]:
+                counts[p, offsets[lease] + begin : offsets[lease] + end] += 1
+            for lease, begin, end in pending[p] if pending else ():
+                waiting[offsets[lease] + begin : offsets[lease] + end] = True
+        missing = (counts == 0).any(axis=0)
+        repeated = (counts > 1).any(axis=0)
+        once = (counts == 1).all(axis=0)
+        listed = []
+        for lease in range(self.num_shards):  # runs of missing batches, lease by lease
+            lo = int(offsets[lease])
+            row = missing[lo : offsets[lease + 1]].view(np.int8)
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], row, [0]])))
+            for a, b in zip(edges[::2], edges[1::2], strict=True):
+                if len(listed) < LISTED_RANGES:
+                    lacking = [
+                        p
+                        for p in range(self.num_fragments)
+                        if (counts[p, lo + a : lo + b] == 0).any()
+                    ]
+                    listed.append(
+                        {
+                            "lease": lease,
+                            "begin": int(a),
+                            "end": int(b),
+                            "fragments": lacking,
+                            "holder": self.holder[lease],
+                        }
+                    )
+        b = self.batch_size
+        return {
+            "windows": total * b,
+            "consumed_once": int(once.sum()) * b,
+            "missing": int(missing.sum()) * b,
+            "missing_pending": int((missing & waiting).sum()) * b,
+            "repeated": int(repeated.sum()) * b,
+            "leases": self.num_shards,
+            "leases_handed_again": sum(max(g - 1, 0) for g in self.grants),
+            "missing_ranges": listed,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The ledger's state for a snapshot."""
+        return {
+            "lengths": self.lengths,
+            "holder": self.holder,
+            "grants": self.grants,
+            "held_by": self.held_by,
+            "merged": self.merged,
+        }
+
+    def load(self, saved: dict[str, Any]) -> None:
+        """Takes back a snapshot's state (`to_json`).
+
+        Raises:
+          ValueError: it was cut for another budget or shard count.
+        """
+        if list(saved["lengths"]) != self.lengths or len(saved["merged"]) != self.num_fragments:
+            raise ValueError(
+                f"syncer checkpoint's data ledger has {len(saved['lengths'])} leases over "
+                f"{sum(saved['lengths'])} batches and {len(saved['merged'])} fragments; this run "
+                f"has {self.num_shards} over {sum(self.lengths)} and {self.num_fragments} "
+                "(train_steps, num_learners, decoupled.data_shards or fragments changed?)"
+            )
+        self.holder = list(saved["holder"])
+        self.grants = list(saved["grants"])
+        self.held_by = [list(x) for x in saved["held_by"]]
+        self.merged = [[list(r) for r in rs] for rs in saved["merged"]]

@@ -1,0 +1,220 @@
+"""Elastic membership and the data ledger: leases, coverage, joins, deaths, restarts.
+
+The pure tests drive `syncer.ledger.Ledger` and a `SyncerState`; the durable one restarts a
+real syncer over gRPC with its write-ahead log; the multi-process one is a whole run whose
+learners and syncer this test starts, SIGKILLs and starts again itself, and whose ledger must
+show every window of the budget consumed exactly once.
+"""
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco.comm.client import SyncerClient
+from decoupled_diloco.syncer.ledger import Ledger, split
+from decoupled_diloco.syncer.server import SyncerServer
+from tests.conftest import tiny_config
+from tests.helpers import wait_until
+from tests.test_recovery import TOKEN, Cluster, _run_config
+
+
+def test_the_budget_is_cut_into_leases_of_equal_length():
+    assert split(10, 4) == [3, 3, 2, 2]
+    assert split(3, 64) == [1, 1, 1]  # fewer batches than shards: one batch each
+    assert sum(split(300, 16)) == 300
+
+
+def _covered_all(ledger, learner, fragments):
+    """Grants and merges every lease `learner` can get, fragment by fragment."""
+    while (grant := ledger.grant(learner, {learner}, False, [[]] * fragments)).status == "granted":
+        for p in range(fragments):
+            ledger.record_merge(p, [[grant.lease, grant.begin, grant.end]])
+
+
+def test_a_dead_learners_lease_is_handed_again_from_what_every_fragment_holds():
+    ledger = Ledger(total_batches=40, shards=4, num_fragments=2, batch_size=8)
+    first = ledger.grant(0, {0, 1}, False, [[], []])
+    assert (first.status, first.lease, first.begin, first.end) == ("granted", 0, 0, 10)
+    # Learner 0 pushed fragment 0 up to batch 6 (merged) and fragment 1 up to 3 (pending).
+    ledger.record_merge(0, [[0, 0, 6]])
+    pending = [[], [[0, 0, 3]]]
+    # Alive: its lease is its own; the others' go to learner 1.
+    assert ledger.grant(1, {0, 1}, False, pending).lease == 1
+    # Dead (not among the live): handed again before any fresh lease, from batch 3, with
+    # fragment 0 told that it holds up to 6 already.
+    again = ledger.grant(1, {1}, False, pending)
+    assert (again.lease, again.begin, again.end, again.covered) == (0, 3, 10, [6, 3])
+    report = ledger.report(pending)
+    assert report["missing_pending"] == 3 * 8  # fragment 1's first 3 batches: not merged yet
+    assert report["leases_handed_again"] == 1
+
+
+def test_the_report_counts_windows_missing_and_repeated_per_fragment():
+    ledger = Ledger(total_batches=6, shards=2, num_fragments=2, batch_size=4)
+    _covered_all(ledger, 0, 2)
+    assert ledger.report()["consumed_once"] == ledger.report()["windows"] == 24
+    ledger.record_merge(1, [[1, 0, 2]])  # fragment 1 merged lease 1's first 2 batches twice
+    report = ledger.report()
+    assert report["repeated"] == 2 * 4 and report["missing"] == 0
+    assert report["consumed_once"] == 4 * 4
+    fresh = Ledger(total_batches=6, shards=2, num_fragments=2, batch_size=4)
+    fresh.grant(0, {0}, False, [[], []])
+    fresh.record_merge(0, [[0, 0, 3]])
+    report = fresh.report()
+    assert report["missing"] == 6 * 4  # fragment 1 holds nothing; lease 1 nobody trained
+    assert report["missing_ranges"][0] == {
+        "lease": 0, "begin": 0, "end": 3, "fragments": [1], "holder": 0,
+    }  # fmt: skip
+
+
+def test_a_flushed_learner_gets_its_own_hole_back_and_the_run_ends_when_all_is_covered():
+    ledger = Ledger(total_batches=4, shards=1, num_fragments=1, batch_size=1)
+    assert ledger.grant(0, {0}, False, [[]]).lease == 0
+    ledger.record_merge(0, [[0, 0, 2]])  # its push of batches 2-3 was refused (late)
+    assert ledger.grant(0, {0}, False, [[]]).status == "wait"  # it may still push them
+    back = ledger.grant(0, {0}, True, [[]])  # flushed: the hole is its to train again
+    assert (back.status, back.begin) == ("granted", 2)
+    ledger.record_merge(0, [[0, 2, 4]])
+    assert ledger.grant(0, {0}, True, [[]]).status == "done"
+
+
+def test_pushes_must_name_leases_their_learner_was_handed_and_count_their_steps():
+    from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.syncer.state import SyncerState
+
+    config = tiny_config(mode="decoupled", train_steps=20, **{"decoupled.data_shards": 4})
+    state = SyncerState(config, *initial_fragments(config))
+    state.register(0, "1x1")
+    assert state.lease(0, False).lease == 0
+    assert state.check_data(0, 3, [[0, 0, 3]]) is None
+    assert "never handed" in state.check_data(0, 3, [[1, 0, 3]])
+    assert "steps=2" in state.check_data(0, 2, [[0, 0, 3]])
+    assert "outside" in state.check_data(0, 30, [[0, 0, 30]])
+
+
+def _syncer(config, directory):
+    return SyncerServer(
+        config, host="127.0.0.1", port=0, token=TOKEN, checkpoint_dir=str(directory)
+    ).start()
+
+
+def test_a_restarted_syncer_keeps_its_ledger_and_hands_no_lease_twice(tmp_path):
+    config = tiny_config(
+        mode="decoupled",
+        train_steps=20,
+        **{"decoupled.data_shards": 4, "decoupled.fragments": 1, "decoupled.quorum": 1},
+    )
+    server = _syncer(config, tmp_path)
+    client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, TOKEN)
+    try:
+        client.register(0, server.fingerprint)
+        grant = client.lease(0)
+        assert (grant.status, grant.lease, grant.begin, grant.end) == ("granted", 0, 0, 10)
+        specs = server.state.fragments[0].specs
+        arrays = [np.full(s.shape, 1e-3, s.dtype) for s in specs]
+        reply = client.push(
+            learner_id=0, fragment=0, round=0, base_version=0, steps=4, tokens=4 * 8 * 32,
+            specs=specs, arrays=arrays, data=[[0, 0, 4]],
+        )  # fmt: skip
+        assert reply.accepted
+        wait_until(lambda: server.state.versions()[0] == 1, 30, "the merge")
+    finally:
+        client.close()
+        server.stop()
+    server = _syncer(config, tmp_path)  # restored from its snapshot and log
+    client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, TOKEN)
+    try:
+        status = client.status()
+        assert status["data_ledger"]["consumed_once"] == 4 * 8
+        client.register(1, server.fingerprint)
+        assert client.lease(1).lease == 1  # lease 0 is learner 0's still (it counts as live)
+        client.register(0, server.fingerprint)  # learner 0 restarted: its lease comes back
+        again = client.lease(0)
+        assert (again.lease, again.begin, list(again.covered)) == (0, 4, [4])
+        # A push naming a lease its learner never held is refused before it is read.
+        with pytest.raises(grpc.RpcError) as refused:
+            client.push(
+                learner_id=0, fragment=0, round=0, base_version=1, steps=2, tokens=2 * 8 * 32,
+                specs=specs, arrays=arrays, data=[[3, 0, 2]], retries=0,
+            )  # fmt: skip
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "never handed" in refused.value.details()
+    finally:
+        client.close()
+        server.stop()
+
+
+def _status(cluster):
+    client = cluster.client()
+    try:
+        return client.status()
+    except grpc.RpcError:
+        return None
+    finally:
+        client.close()
+
+
+def _learner(cluster, i, field):
+    status = _status(cluster)
+    entry = (status or {}).get("learners", {}).get(str(i))
+    return entry[field] if entry else 0
+
+
+@pytest.mark.multiprocess
+def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(tmp_path):
+    """2 learners; one SIGKILLed mid-lease and restarted; a third joins; the syncer is killed
+    and restarted; then learner 0 dies for good. Every window of the budget is in the global
+    model exactly once, the joined learner's pushes are merged."""
+    config = _run_config(
+        **{
+            "decoupled.data_shards": 16,
+            "decoupled.max_learners": 3,
+            "decoupled.syncer.learner_timeout_s": 5.0,
+            "decoupled.syncer.rpc_timeout_s": 20.0,
+        }
+    )
+    cluster = Cluster(tmp_path, config)
+    try:
+        cluster.start_syncer()
+        for i in range(2):
+            cluster.start_learner(i)
+        wait_until(lambda: _learner(cluster, 1, "step") >= 30, 180, "learner 1 at step 30")
+        cluster.kill("learner_1")  # mid-lease (a lease is ~19 batches)
+        cluster.start_learner(1)
+        cluster.start_learner(2)  # an id beyond the starting learners: a join
+        wait_until(lambda: _learner(cluster, 2, "pushes") >= 2, 180, "learner 2's pushes")
+        cluster.kill("syncer_0")
+        cluster.start_syncer()
+        wait_until(lambda: _learner(cluster, 0, "step") >= 100, 180, "learner 0 at step 100")
+        cluster.kill("learner_0")  # for good: its lease goes to the others after the timeout
+        for i in (1, 2):
+            cluster.procs[f"learner_{i}"].wait(timeout=240)
+            assert cluster.procs[f"learner_{i}"].returncode == 0, cluster.log(f"learner_{i}")
+        status = wait_until(_status, 30, "the syncer's status")
+        ledger = status["data_ledger"]
+        windows = config.num_learners * config.train_steps * config.data.batch_size
+        assert ledger["windows"] == windows
+        assert (ledger["consumed_once"], ledger["missing"], ledger["repeated"]) == (
+            windows, 0, 0,
+        ), ledger  # fmt: skip
+        assert ledger["leases_handed_again"] >= 2  # learner 1's (killed) and learner 0's
+        merged_from = {i for m in status["merge_log"] for i in m.get("learners", [])}
+        assert 2 in merged_from, status["merge_log"][-3:]
+        events = [(e["event"], e["learner"]) for e in status["membership"]]
+        assert ("joined", 2) in events and ("restarted", 1) in events, events
+        assert ("lost", 0) in events, events
+        joined = json.loads((tmp_path / "learner_2.json").read_text())
+        assert joined["data"] == "leases" and joined["leases_trained"]
+        assert joined["pushes"]["accepted"] > 0
+    finally:
+        cluster.reap()
+
+
+def test_data_settings_are_checked_with_the_field_named():
+    with pytest.raises(config_lib.ConfigError, match="decoupled.max_learners"):
+        config_lib.validate(tiny_config(mode="decoupled", **{"decoupled.max_learners": 1}))
+    with pytest.raises(config_lib.ConfigError, match="decoupled.data_shards"):
+        config_lib.validate(tiny_config(mode="decoupled", **{"decoupled.data_shards": -1}))
