@@ -193,13 +193,13 @@ def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(
         for i in (1, 2):
             cluster.procs[f"learner_{i}"].wait(timeout=240)
             assert cluster.procs[f"learner_{i}"].returncode == 0, cluster.log(f"learner_{i}")
-        status = wait_until(_status, 30, "the syncer's status")
+        status = wait_until(lambda: _status(cluster), 30, "the syncer's status")
         ledger = status["data_ledger"]
         windows = config.num_learners * config.train_steps * config.data.batch_size
         assert ledger["windows"] == windows
         assert (ledger["consumed_once"], ledger["missing"], ledger["repeated"]) == (
             windows, 0, 0,
-        ), ledger  # fmt: skip
+        ), (ledger, status["membership"])  # fmt: skip
         assert ledger["leases_handed_again"] >= 2  # learner 1's (killed) and learner 0's
         merged_from = {i for m in status["merge_log"] for i in m.get("learners", [])}
         assert 2 in merged_from, status["merge_log"][-3:]

@@ -494,7 +494,8 @@ def _run_config(**overrides):
 
 @pytest.mark.multiprocess
 def test_learner_killed_mid_run_restores_rejoins_and_neither_replays_nor_hides_data(tmp_path):
-    cluster = Cluster(tmp_path, _run_config())
+    # Static shards (the data journal's rule); leases: tests/test_elastic.py.
+    cluster = Cluster(tmp_path, _run_config(**{"decoupled.data_shards": 0}))
     try:
         cluster.start_syncer()
         for i in range(2):

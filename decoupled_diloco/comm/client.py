@@ -172,13 +172,16 @@ class SyncerClient:
             lambda: self.stub.Heartbeat(request, timeout=5.0, metadata=self.metadata), retries=0
         )
 
-    def lease(self, learner_id: int, flushed: bool = False) -> pb.LeaseReply:
-        """Asks for a lease of training data (`syncer.ledger`); retried through outages."""
+    def lease(
+        self, learner_id: int, flushed: bool = False, retries: int | None = None
+    ) -> pb.LeaseReply:
+        """Asks for a lease of training data (`syncer.ledger`); `retries` as for every call."""
         request = pb.LeaseRequest(learner_id=learner_id, flushed=flushed)
         return self._call(
             lambda: self.stub.Lease(
                 request, timeout=self.config.rpc_timeout_s, metadata=self.metadata
-            )
+            ),
+            retries,
         )
 
     def status(self) -> dict[str, Any]:

@@ -162,9 +162,9 @@ class ShardedClient:
             raise failure
         return combine(statuses, [c.address for c in self.clients])
 
-    def lease(self, learner_id: int, flushed: bool = False) -> pb.LeaseReply:
+    def lease(self, learner_id: int, flushed: bool = False, **kwargs: Any) -> pb.LeaseReply:
         """Data leases are shard 0's (they need one shard: `config.data_leases`)."""
-        return self.clients[0].lease(learner_id, flushed)
+        return self.clients[0].lease(learner_id, flushed, **kwargs)
 
     def push(self, *, fragment: int, **fields: Any) -> pb.PushReply:
         """Pushes to the shard that owns `fragment`."""

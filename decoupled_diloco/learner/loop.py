@@ -18,12 +18,14 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
+import types
 from typing import Any
 
 import jax
 
 from decoupled_diloco import planning, runtime
 from decoupled_diloco.comm.faulty_link import DegradedLink
+from decoupled_diloco.comm.retry import retry
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.config import ExperimentConfig, data_leases, mesh_shape_for
 from decoupled_diloco.data.dataset import check_checkpointable, load_dataset
@@ -154,8 +156,11 @@ class Learner:
         return grant
 
     def _ask(self, flushed: bool) -> Any:
-        """One lease request (`SyncerClient.lease`)."""
-        return self.sync.client.lease(self.id, flushed)
+        """One lease request (`SyncerClient.lease`), retried through a syncer outage."""
+        reply = retry(
+            lambda: self.sync.client.lease(self.id, flushed, retries=0), stop=self.leaving
+        )
+        return reply if reply is not None else types.SimpleNamespace(status="done")
 
     def _idle(self) -> None:
         """No lease free yet: pushes everything trained so far, then waits for one."""

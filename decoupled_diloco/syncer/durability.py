@@ -98,6 +98,7 @@ def snapshot(
         "merge_sizes": list(state.merge_sizes),
         "merge_log": state.merge_log[-200:],
         "ledger": None if state.ledger is None else state.ledger.to_json(),
+        "membership": state.membership[-200:],
         "wall_time": time.time(),
     }
     return tree, meta, published
@@ -182,6 +183,8 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
             ema.value = value
         sizes = list(meta["merge_sizes"])
         state.merge_sizes = sizes + [0] * (len(state.merge_sizes) - len(sizes))
+        state.membership = list(meta.get("membership", []))
+        state._live = set(state.live_learners(now))
         if state.ledger is not None and meta.get("ledger"):
             state.ledger.load(meta["ledger"])
         state.merge_log = list(meta["merge_log"])

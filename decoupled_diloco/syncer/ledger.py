@@ -71,14 +71,31 @@ def split(total_batches: int, shards: int) -> list[int]:
     return [total_batches // n + (k < total_batches % n) for k in range(n)]
 
 
-def _prefix(intervals: Iterable[Range], length: int) -> int:
-    """The end of the covered prefix of [0, length) under `intervals` of one lease."""
-    end = 0
-    for _, begin, stop in sorted(intervals, key=lambda r: r[1]):
-        if begin > end:
-            break
-        end = max(end, stop)
-    return min(end, length)
+def _first_gap(held: np.ndarray) -> tuple[int, int, list[int]]:
+    """The first range of a lease to train again, and how far into it each fragment holds it.
+
+    Args:
+      held: (P, L) booleans, which of the lease's batches each fragment's pushes hold.
+
+    Returns:
+      (begin, end, covered): begin is the first batch some fragment lacks; in [begin, end)
+      every fragment p holds exactly [begin, covered[p]) and lacks the rest, so a learner that
+      trains the range and pushes fragment p only from covered[p] on gives every fragment
+      each batch once.
+    """
+    length = held.shape[1]
+    begin = int(np.flatnonzero(~held.all(axis=0))[0])
+
+    def next_change(row: np.ndarray, start: int) -> int:
+        changed = np.flatnonzero(row[start:] != row[start])
+        return start + int(changed[0]) if len(changed) else length
+
+    end, covered = length, []
+    for row in held:
+        c = next_change(row, begin) if row[begin] else begin  # the held prefix from begin
+        end = min(end, next_change(row, c) if c < length else length)  # then the lacking run
+        covered.append(c)
+    return begin, end, [min(c, end) for c in covered]
 
 
 class Ledger:
@@ -122,20 +139,22 @@ class Ledger:
                 )
         return None
 
-    def covered(self, pending: Sequence[Sequence[Range]]) -> list[list[int]]:
-        """Per lease, per fragment: the end of the prefix its pushes cover (merged or pending).
+    def coverage(self, pending: Sequence[Sequence[Range]]) -> np.ndarray:
+        """(P, total batches) booleans: which batches each fragment's pushes hold.
 
         Args:
-          pending: per fragment, the ranges of its accepted pushes not merged yet.
+          pending: per fragment, the ranges of its accepted pushes not merged yet (they count).
         """
-        out = [[0] * self.num_fragments for _ in self.lengths]
+        offsets = self.offsets()
+        out = np.zeros((self.num_fragments, int(offsets[-1])), bool)
         for p in range(self.num_fragments):
-            by_lease: dict[int, list[Range]] = {}
-            for r in (*self.merged[p], *(pending[p] if pending else ())):
-                by_lease.setdefault(r[0], []).append(r)
-            for k, length in enumerate(self.lengths):
-                out[k][p] = _prefix(by_lease.get(k, ()), length)
+            for lease, begin, end in (*self.merged[p], *(pending[p] if pending else ())):
+                out[p, offsets[lease] + begin : offsets[lease] + end] = True
         return out
+
+    def offsets(self) -> np.ndarray:
+        """Where each lease starts in the budget's batches (and the total, last)."""
+        return np.cumsum([0, *self.lengths])
 
     def release(self, learner: int) -> None:
         """Frees every lease `learner` holds (it registered again, or left for good)."""
@@ -158,29 +177,21 @@ class Ledger:
           pending: per fragment, the ranges of accepted pushes not merged yet.
         """
         live = set(live) | {learner}
-        covered = self.covered(pending)
-        starts = [min(c) for c in covered]
+        offsets, coverage = self.offsets(), self.coverage(pending)
+        leases = [coverage[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        open_ = [not seg.all() for seg in leases]  # some fragment lacks some batch
         free = [
             k
             for k, h in enumerate(self.holder)
-            if starts[k] < self.lengths[k]
-            and (h == -1 or h not in live or (h == learner and flushed))
+            if open_[k] and (h == -1 or h not in live or (h == learner and flushed))
         ]
         if not free:
-            if any(s < n for s, n in zip(starts, self.lengths, strict=True)):
-                return Grant("wait", num_shards=self.num_shards)
-            return Grant("done", num_shards=self.num_shards)
+            return Grant("wait" if any(open_) else "done", num_shards=self.num_shards)
         # Leases handed before (a dead learner's tail) first: their data is the oldest.
         lease = min(free, key=lambda k: (self.grants[k] == 0, k))
         self.take(lease, learner)
-        return Grant(
-            "granted",
-            lease,
-            starts[lease],
-            self.lengths[lease],
-            self.num_shards,
-            covered[lease],
-        )
+        begin, end, covered = _first_gap(leases[lease])
+        return Grant("granted", lease, begin, end, self.num_shards, covered)
 
     def take(self, lease: int, learner: int) -> None:
         """Records that `learner` holds `lease` (a grant, or its replay from the log)."""

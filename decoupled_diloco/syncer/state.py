@@ -192,7 +192,7 @@ class SyncerState:
         live = set(self.live_learners(self.clock()))
         self.membership.append(
             {
-                "t": round(self.clock() - self.started, 3),
+                "time": round(time.time(), 3),
                 "event": event,
                 "learner": learner_id,
                 "live": sorted(live),

@@ -188,6 +188,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
         state.seen = {k: v for k, v in state.seen.items() if k[0] != learner}
         if state.ledger is not None:
             state.ledger.release(learner)
+        state._membership("joined" if info.incarnation == 0 else "restarted", learner)
     elif kind == "lease":
         state.ledger.take(header["lease"], header["learner"])
     elif kind == "push":
