@@ -149,7 +149,8 @@ class DecoupledConfig:
         learner that dies loses compute, not data (its lease is handed again from the last
         accepted position), and a learner that joins takes its share. 0: static shards
         (learner i trains windows i, i + M, ... for `train_steps` steps; its batches after its
-        last checkpoint are skipped when it restarts). Leases need one syncer shard.
+        last checkpoint are skipped when it restarts; the default for now). Leases need one
+        syncer shard.
       syncer: the syncer's address, security, transport and timing.
     """
 
@@ -170,7 +171,7 @@ class DecoupledConfig:
     wan_mbit: float = 0.0
     wan_sites: str = "learner"
     max_learners: int = 0
-    data_shards: int = 64
+    data_shards: int = 0
     syncer: SyncerConfig = SyncerConfig()
 
 

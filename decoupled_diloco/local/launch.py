@@ -257,6 +257,9 @@ def run_decoupled(
         "merge_sizes": status["merge_sizes"],
         "fragments": status["fragments"],
         "merge_log": status.get("merge_log", []),  # the syncer's last 200 merges
+        # Data leases (`syncer.ledger`): every window of the budget in the global model once?
+        "data_ledger": status.get("data_ledger"),
+        "membership": status.get("membership", []),  # joins, restarts, leaves, losses
         "stall_fraction_max": max(x["stall_fraction"] for x in learners),
         "learners": learners,
         "params": int(sum(x.size for x in jax.tree.leaves(params))),
@@ -272,6 +275,14 @@ def run_decoupled(
         **({"wan": links} if links else {}),  # `decoupled.wan_mbit`: what each link carried
         "config": dataclasses.asdict(config),
     }
+    if (ledger := summary["data_ledger"]) is not None:  # the invariant, checked every run
+        print(
+            f"[decoupled] data ledger: {ledger['consumed_once']} of {ledger['windows']} windows "
+            f"consumed once, {ledger['missing']} missing ({ledger['missing_pending']} in rounds "
+            f"still open), {ledger['repeated']} repeated; leases handed again "
+            f"{ledger['leases_handed_again']}",
+            flush=True,
+        )
     try:
         path = write_summary(workdir, summary)
         if schedule is not None:  # under faults: the picture of who did what when
