@@ -82,17 +82,18 @@ def test_a_flushed_learner_gets_its_own_hole_back_and_the_run_ends_when_all_is_c
 
 
 def test_pushes_must_name_leases_their_learner_was_handed_and_count_their_steps():
+    from decoupled_diloco.syncer import elastic
     from decoupled_diloco.syncer.server import initial_fragments
     from decoupled_diloco.syncer.state import SyncerState
 
     config = tiny_config(mode="decoupled", train_steps=20, **{"decoupled.data_shards": 4})
     state = SyncerState(config, *initial_fragments(config))
     state.register(0, "1x1")
-    assert state.lease(0, False).lease == 0
-    assert state.check_data(0, 3, [[0, 0, 3]]) is None
-    assert "never handed" in state.check_data(0, 3, [[1, 0, 3]])
-    assert "steps=2" in state.check_data(0, 2, [[0, 0, 3]])
-    assert "outside" in state.check_data(0, 30, [[0, 0, 30]])
+    assert elastic.lease(state, 0, False).lease == 0
+    assert elastic.check_data(state, 0, 3, [[0, 0, 3]]) is None
+    assert "never handed" in elastic.check_data(state, 0, 3, [[1, 0, 3]])
+    assert "steps=2" in elastic.check_data(state, 0, 2, [[0, 0, 3]])
+    assert "outside" in elastic.check_data(state, 0, 30, [[0, 0, 30]])
 
 
 def _syncer(config, directory):

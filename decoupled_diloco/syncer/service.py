@@ -28,7 +28,7 @@ from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm.retry import RETRY_TRAILER
 from decoupled_diloco.config import max_learners
 from decoupled_diloco.core import compression
-from decoupled_diloco.syncer import admission, streams
+from decoupled_diloco.syncer import admission, elastic, streams
 from decoupled_diloco.syncer.downlink import Downlink
 from decoupled_diloco.syncer.guard import Guard, control_slots, data_slots, streams_per_learner
 from decoupled_diloco.syncer.payloads import Payload
@@ -235,7 +235,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         r = self._parse(pb.LeaseRequest, raw, context)
         self._as(identity, r.learner_id, context)
         self._known(r.learner_id, context)
-        grant = self.state.lease(r.learner_id, r.flushed)
+        grant = elastic.lease(self.state, r.learner_id, r.flushed)
         self._durable(context)  # a grant a restart would forget is never handed out
         return pb.LeaseReply(
             status=grant.status,
@@ -305,7 +305,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(context, _INVALID, f"base version {h.base_version} is from the future")
         if h.base_version < 0:
             self._refuse(context, _INVALID, f"base version {h.base_version} is negative")
-        error = self.state.check_data(h.learner_id, h.steps, _ranges(h))
+        error = elastic.check_data(self.state, h.learner_id, h.steps, _ranges(h))
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
         # The bytes go to a file of the push store as they arrive (never a buffer of the

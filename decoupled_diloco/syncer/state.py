@@ -45,8 +45,8 @@ from absl import logging
 from decoupled_diloco.config import ExperimentConfig, data_leases, max_learners, overlap_steps
 from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
+from decoupled_diloco.syncer import elastic, merge, view
 from decoupled_diloco.syncer import ledger as ledger_lib
-from decoupled_diloco.syncer import merge, view
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import (
     Ema,
@@ -57,9 +57,6 @@ from decoupled_diloco.syncer.records import (
     PushResult,
     grace_window,
 )
-
-# Data ranges one push may carry (leases its outer gradient spans; each lease is one range).
-MAX_DATA_RANGES = 256
 
 
 class PushRefused(ValueError):
@@ -120,7 +117,7 @@ class SyncerState:
         # stops serving and its process exits, and a restart resumes from the log as it is.
         self.wal_failed, self.wal_failed_seq = "", 0
         self.learners: dict[int, LearnerInfo] = {}
-        # Joins, restarts, leaves and losses of learners, in order (`_membership`).
+        # Joins, restarts, leaves and losses of learners, in order (`syncer.elastic`).
         self.membership: list[dict[str, Any]] = []
         self._live: set[int] = set()
         self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
@@ -183,29 +180,11 @@ class SyncerState:
             self.seen = {k: v for k, v in self.seen.items() if k[0] != learner_id}
             if self.ledger is not None:  # the old incarnation's leases are handed again
                 self.ledger.release(learner_id)
-            self._membership("joined" if info.incarnation == 0 else "restarted", learner_id)
+            elastic.log_membership(
+                self, "joined" if info.incarnation == 0 else "restarted", learner_id
+            )
             self._changed("register", learner_id)  # a restart must not resurrect old keys
             return self.versions(), info.incarnation
-
-    def _membership(self, event: str, learner_id: int) -> None:
-        """Logs a change of the live set (call under the lock)."""
-        live = set(self.live_learners(self.clock()))
-        self.membership.append(
-            {
-                "time": round(time.time(), 3),
-                "event": event,
-                "learner": learner_id,
-                "live": sorted(live),
-            }
-        )
-        self._live = live
-
-    def _check_membership(self) -> None:
-        """Logs learners that went silent past `learner_timeout_s` (call under the lock)."""
-        live = set(self.live_learners(self.clock()))
-        for i in sorted(self._live - live):
-            self._membership("left" if self.learners[i].state == "done" else "lost", i)
-        self._live = live
 
     def heartbeat(self, learner_id: int, **fields: Any) -> list[int]:
         """Records a learner's progress; returns the fragment versions."""
@@ -215,48 +194,14 @@ class SyncerState:
                 setattr(info, name, value)
             info.last_seen = self.clock()
             if learner_id not in self._live and info.state == "training":
-                self._membership("back", learner_id)  # silent past the timeout, then heard
+                elastic.log_membership(
+                    self, "back", learner_id
+                )  # silent past the timeout, then heard
             info.observe_pace(info.last_seen)
             if info.step_time_s > 0:
                 self.ema_step.update(info.dylu_step_time())
             self.lock.notify_all()  # a learner that finished may complete a quorum
             return self.versions()
-
-    def lease(self, learner_id: int, flushed: bool) -> ledger_lib.Grant:
-        """Hands a registered learner a lease of data not covered yet (`Ledger.grant`)."""
-        with self.lock:
-            if self.ledger is None:
-                return ledger_lib.Grant("off")
-            live = self.live_learners(self.clock())
-            grant = self.ledger.grant(learner_id, live, flushed, self.pending_ranges())
-            if grant.status == "granted":
-                self._changed("lease", learner_id, grant.lease)
-            return grant
-
-    def check_data(self, learner_id: int, steps: int, data: list[list[int]]) -> str | None:
-        """Why a push's data ranges are refused (None: none given, or they are sound).
-
-        They must lie inside leases the learner was handed, and count its inner steps: one
-        batch per step.
-        """
-        if not data:
-            return None
-        if self.ledger is None:
-            return "data ranges given, but this run has no data leases (decoupled.data_shards)"
-        with self.lock:
-            error = self.ledger.check_ranges(learner_id, data, MAX_DATA_RANGES)
-        if error is None and sum(end - begin for _, begin, end in data) != steps:
-            error = f"data ranges hold {sum(e - b for _, b, e in data)} batches, steps={steps}"
-        return error
-
-    def pending_ranges(self) -> list[list[list[int]]]:
-        """Per fragment, the data ranges of accepted pushes waiting in open rounds."""
-        return [[r for x in f.pending.values() for r in x.data] for f in self.fragments]
-
-    def data_ledger(self) -> dict[str, Any] | None:
-        """The ledger's report (`Ledger.report`), or None with static shards."""
-        with self.lock:
-            return None if self.ledger is None else self.ledger.report(self.pending_ranges())
 
     def versions(self) -> list[int]:
         """Every fragment's published version (what learners may hold); call under the lock."""
@@ -393,7 +338,7 @@ class SyncerState:
     def tick(self) -> None:
         """Closes every round whose grace window has passed (call periodically)."""
         with self.lock:
-            self._check_membership()
+            elastic.check_membership(self)
             for p in range(len(self.fragments)):
                 self._maybe_close(p)
 

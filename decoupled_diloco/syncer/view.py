@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from decoupled_diloco.syncer import elastic
+
 
 def status(state: Any) -> dict[str, Any]:
     """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs.
@@ -54,5 +56,5 @@ def status(state: Any) -> dict[str, Any]:
             "membership": state.membership[-200:],
             "data_ledger": None
             if state.ledger is None
-            else state.ledger.report(state.pending_ranges()),
+            else state.ledger.report(elastic.pending_ranges(state)),
         }

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from decoupled_diloco.syncer import elastic
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import LearnerInfo, Push, PushResult
 from decoupled_diloco.syncer.state import SyncerState
@@ -188,7 +189,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
         state.seen = {k: v for k, v in state.seen.items() if k[0] != learner}
         if state.ledger is not None:
             state.ledger.release(learner)
-        state._membership("joined" if info.incarnation == 0 else "restarted", learner)
+        elastic.log_membership(state, "joined" if info.incarnation == 0 else "restarted", learner)
     elif kind == "lease":
         state.ledger.take(header["lease"], header["learner"])
     elif kind == "push":
