@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco.chaos import faults
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.syncer.ledger import Ledger, split
 from decoupled_diloco.syncer.server import SyncerServer
@@ -168,7 +169,11 @@ def _learner(cluster, i, field):
 def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(tmp_path):
     """2 learners; one SIGKILLed mid-lease and restarted; a third joins; the syncer is killed
     and restarted; then learner 0 dies for good. Every window of the budget is in the global
-    model exactly once, the joined learner's pushes are merged."""
+    model exactly once, the joined learner's pushes are merged.
+
+    The learners' steps are slowed through their live chaos controls while the joiner starts
+    and until learner 0 dies, so the budget cannot run out first however loaded the machine is.
+    """
     config = _run_config(
         **{
             "decoupled.data_shards": 16,
@@ -178,19 +183,32 @@ def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(
         }
     )
     cluster = Cluster(tmp_path, config)
+    controls = tmp_path / "controls"
+    cluster.env[faults.DIR_ENV] = str(controls)
+
+    def slow(learners, factor):
+        for i in learners:
+            faults.write_controls(controls, i, {"slowdown": factor} if factor > 1 else {})
+
     try:
         cluster.start_syncer()
         for i in range(2):
             cluster.start_learner(i)
         wait_until(lambda: _learner(cluster, 1, "step") >= 30, 180, "learner 1 at step 30")
+        slow([0, 1], 100)  # ~1 s a step while the joiner starts
         cluster.kill("learner_1")  # mid-lease (a lease is ~19 batches)
         cluster.start_learner(1)
         cluster.start_learner(2)  # an id beyond the starting learners: a join
         wait_until(lambda: _learner(cluster, 2, "pushes") >= 2, 180, "learner 2's pushes")
+        slow([0, 1, 2], 20)
+        before = _learner(cluster, 0, "step")
         cluster.kill("syncer_0")
         cluster.start_syncer()
-        wait_until(lambda: _learner(cluster, 0, "step") >= 100, 180, "learner 0 at step 100")
+        wait_until(
+            lambda: _learner(cluster, 0, "step") >= before + 4, 180, "learner 0 after the restart"
+        )
         cluster.kill("learner_0")  # for good: its lease goes to the others after the timeout
+        slow([1, 2], 1)
         for i in (1, 2):
             cluster.procs[f"learner_{i}"].wait(timeout=240)
             assert cluster.procs[f"learner_{i}"].returncode == 0, cluster.log(f"learner_{i}")
