@@ -6,6 +6,9 @@ Prints learners (state, step, loss, heartbeat age, staleness, fragment versions)
 the raw status instead. `--watch` refreshes a live table (see `decoupled_diloco.obs.watch`) until
 Ctrl+C, adding merges per minute and goodput when the syncer reports it. `--serve=PORT` serves the
 live job page (`decoupled_diloco.obs.monitor`) on 127.0.0.1:PORT instead, behind the run token.
+With `--workdir=RUN` of a local run, `--add_learner` starts one more learner and
+`--remove_learner=ID` ends one for good (`decoupled_diloco.local.scaling`). The membership log
+(joins, restarts, leaves, losses) ends the table.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ _SERVE = flags.DEFINE_integer(
     "serve", -1, "Serve the live job page on this port until Ctrl+C (0: any free; -1: off)."
 )
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "With --serve: the interface to bind.")
+_ADD = flags.DEFINE_bool(
+    "add_learner", False, "With --workdir: start one more learner in that local run (a join)."
+)
+_REMOVE = flags.DEFINE_integer(
+    "remove_learner", -1, "With --workdir: end learner ID of that local run for good (a leave)."
+)
+
+
+MEMBERSHIP_SHOWN = 5  # the last membership changes the table lists
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -58,6 +70,10 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(
             f"{p:>8} {f['version']:>7} {f['merges']:>6} {f['late_pushes']:>5} "
             f"{f['duplicate_pushes']:>5} {f['bytes']:>10}"
+        )
+    for event in status.get("membership", [])[-MEMBERSHIP_SHOWN:]:
+        lines.append(
+            f"membership: learner {event['learner']} {event['event']} (live {event['live']})"
         )
     ema = status["ema"]
     lines.append(
@@ -100,6 +116,20 @@ def _serve(address: str, config: SyncerConfig, token: str) -> None:
 def main(argv: list[str]) -> None:
     """Fetches and prints the status."""
     del argv
+    if _ADD.value or _REMOVE.value >= 0:  # scale a local run (`local.scaling`)
+        from decoupled_diloco.local import scaling
+
+        if not _WORKDIR.value:
+            sys.exit("--add_learner and --remove_learner scale a local run: give its --workdir")
+        try:
+            if _ADD.value:
+                scaling.request(_WORKDIR.value, "join")
+            if _REMOVE.value >= 0:
+                scaling.request(_WORKDIR.value, "leave", _REMOVE.value)
+        except ValueError as error:
+            sys.exit(str(error))
+        print(f"requested; the launcher logs what it did in {_WORKDIR.value}/metrics.jsonl")
+        return
     address, token_file = _SYNCER.value, _TOKEN_FILE.value
     if _WORKDIR.value:  # A run started by `experiments.train` on this machine.
         workdir = pathlib.Path(_WORKDIR.value)

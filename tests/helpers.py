@@ -83,3 +83,22 @@ def from_bytes(
       PayloadError: wrong total size, or (with `require_finite`) a NaN or infinity.
     """
     return wire.decode_payload(payload, wire.headers(specs), specs, require_finite)
+
+
+def assert_budget_trained_once(summary: dict, learners: int = 0) -> None:
+    """A run on data leases trained its whole budget: the ledger shows every window in the
+    global model exactly once, and every learner (`learners`: at least this many) trained
+    without errors."""
+    ledger = summary["data_ledger"]
+    assert ledger is not None, "no data ledger: the run was not on data leases"
+    windows = (
+        summary["num_learners"] * summary["train_steps"] * summary["config"]["data"]["batch_size"]
+    )
+    assert ledger["windows"] == windows, ledger
+    assert (ledger["consumed_once"], ledger["missing"], ledger["repeated"]) == (windows, 0, 0), (
+        ledger
+    )
+    assert len(summary["learners"]) >= learners
+    assert all(x["steps"] > 0 and not x["errors"] for x in summary["learners"]), [
+        (x["steps"], x["errors"]) for x in summary["learners"]
+    ]

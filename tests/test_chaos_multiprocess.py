@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.helpers import assert_budget_trained_once
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = [
     "--config=experiments/configs/tiny_lm.py",
@@ -67,20 +69,20 @@ def _run(workdir, schedule, *args, timeout_s=300):
 def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_path):
     # Learner 0's link drops 30% of calls (half of them after the syncer handled the call, so
     # that the retry re-sends a push it already has) and adds 20 ms per call; learner 1 is
-    # killed (-9) at step 40 and restarted 2 s later from its checkpoint (every 16 steps); the
+    # killed (-9) at step 36 and restarted 2 s later from its checkpoint (every 16 steps); the
     # syncer is killed while a round has pushes pending, once learner 0 reaches step 24, and
     # restarted 1 s later from its own checkpoint.
     summary, events, _ = _run(
         tmp_path,
         "seed: 0\nfaults:\n"
         "  - {at_s: 0, kind: link, learner: 0, drop: 0.3, latency_s: 0.02}\n"
-        "  - {at_step: 40, kind: kill, learner: 1, repair_s: 2}\n"
+        "  - {at_step: 36, kind: kill, learner: 1, repair_s: 2}\n"
         "  - {at_step: 24, kind: kill_syncer, learner: 0, repair_s: 1, during_merge: true}\n",
         "--config.mode=decoupled",
         "--config.train_steps=96",
         "--config.checkpoint.every=16",
     )
-    assert all(x["steps"] == 96 and not x["errors"] for x in summary["learners"])
+    assert_budget_trained_once(summary, learners=2)  # on data leases: nothing lost or twice
     assert summary["final_eval_loss"] < 4.5  # ln(256) = 5.55 at init
     faults = [e for e in events if "event" in e]
     assert summary["failures_injected"] == 3 and summary["recoveries"] == 2, faults
@@ -94,7 +96,7 @@ def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_pat
     ]
     # The kill: learner 1 was down >= 2 s, lost the steps after its checkpoint, came back.
     learner1 = summary["timeline"]["learners"]["1"]
-    assert learner1["down_s"] >= 2 and learner1["lost_steps"] >= 40 - 32
+    assert learner1["down_s"] >= 2 and learner1["lost_steps"] >= 36 - 32
     assert summary["timeline"]["learners"]["0"]["lost_steps"] == 0
     assert summary["lost_steps"] == learner1["lost_steps"]
     # The link: calls were dropped and retried.
@@ -103,16 +105,7 @@ def test_decoupled_through_a_lossy_link_a_learner_kill_and_a_syncer_kill(tmp_pat
     # over by a newer one of its fragment (the outbox folds it while it backs off), depends on
     # the machine's load here; the duplicate path itself is held deterministically by the
     # test_chaos.py test of a push whose reply the link lost. What must hold either way is
-    # checked next: nothing merged twice.
-    # Nothing double-counted: the steps merged from each learner, per fragment, add up to at
-    # most the steps it trained (a push merged twice would count its steps twice).
-    trained = {0: 96, 1: 96 + learner1["lost_steps"]}  # learner 1 redid the lost steps
-    merged = {}
-    for merge in summary["merge_log"]:
-        for learner, steps in zip(merge["learners"], merge["steps"], strict=True):
-            key = (learner, merge["fragment"])
-            merged[key] = merged.get(key, 0) + steps
-    assert merged and all(steps <= trained[k[0]] for k, steps in merged.items()), merged
+    # checked above: nothing merged twice (the data ledger counts every window per fragment).
     assert 0 < summary["goodput"] < 1 and 0 < summary["uptime"] <= 1
     assert summary["max_staleness"] >= 0
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 0

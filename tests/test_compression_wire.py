@@ -19,7 +19,7 @@ from decoupled_diloco.learner.loop import Learner
 from decoupled_diloco.learner.recovery import LearnerCheckpoints
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
-from tests.helpers import to_bytes
+from tests.helpers import assert_budget_trained_once, to_bytes
 
 TOKEN = "test-token"
 SPECS = [
@@ -382,7 +382,7 @@ def test_compressed_decoupled_run_trains_and_accounts_its_bytes(tmp_path):
         # back before the learners finished, which a busy machine delays.
         assert summary["final_eval_loss"] < 5.0
         learners = summary["learners"]
-        assert all(x["steps"] == 32 and not x["errors"] for x in learners)
+        assert_budget_trained_once(summary, learners=2)
         assert all(x["compression"] == "e3m0" and x["rounds"] for x in learners)
         assert summary["outer_syncs"] >= 2
         # Every push round is counted; pushes are 4-bit: under 1/6 of float32 per round.

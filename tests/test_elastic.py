@@ -7,6 +7,10 @@ show every window of the budget consumed exactly once.
 """
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -237,3 +241,72 @@ def test_data_settings_are_checked_with_the_field_named():
         config_lib.validate(tiny_config(mode="decoupled", **{"decoupled.max_learners": 1}))
     with pytest.raises(config_lib.ConfigError, match="decoupled.data_shards"):
         config_lib.validate(tiny_config(mode="decoupled", **{"decoupled.data_shards": -1}))
+
+
+def _events(run):
+    path = run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if "event" in e]
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_grows_and_shrinks_a_run_by_schedule_and_by_the_status_command(tmp_path):
+    """2 learners; the schedule adds learner 2 and lets learner 0 leave; `status --add_learner`,
+    run from outside, adds learner 3. The ledger is exact; the summary has all four."""
+    from tests.test_chaos_multiprocess import ROOT, TINY
+
+    schedule = tmp_path / "elastic.yaml"
+    schedule.write_text(
+        "seed: 0\nfaults:\n"
+        # Learners 0-2 slowed (~0.2-1 s a step) so that the budget outlasts the joiners' start.
+        "  - {at_s: 0, kind: slow, learner: 0, factor: 40}\n"
+        "  - {at_s: 0, kind: slow, learner: 1, factor: 40}\n"
+        "  - {at_s: 0, kind: slow, learner: 2, factor: 10}\n"
+        "  - {at_step: 4, kind: join, learner: 2}\n"
+        "  - {at_step: 12, kind: leave, learner: 0}\n"
+    )
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["DD_RUN_TOKEN"] = "elastic-test-token"
+    args = [
+        f"--workdir={run}", *TINY, f"--config.chaos={schedule}", "--config.mode=decoupled",
+        "--config.train_steps=48", "--config.decoupled.data_shards=8",
+        "--config.decoupled.max_learners=4",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # one process group: the cleanup reaches every child
+    )  # fmt: skip
+    try:
+        wait_until(lambda: any(e["event"] == "membership" for e in _events(run)), 240, "the join")
+        added = subprocess.run(
+            [sys.executable, "-m", "decoupled_diloco.status", f"--workdir={run}", "--add_learner"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert added.returncode == 0, added.stderr[-2000:]
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    ledger = summary["data_ledger"]
+    assert ledger["windows"] == 2 * 48 * 8
+    assert (ledger["consumed_once"], ledger["missing"], ledger["repeated"]) == (
+        ledger["windows"], 0, 0,
+    ), ledger  # fmt: skip
+    changes = [(e["kind"], e["learner"], e.get("source", "chaos")) for e in _events(run)]
+    assert ("join", 2, "chaos") in changes and ("leave", 0, "chaos") in changes, changes
+    assert ("join", 3, "status") in changes, changes
+    learners = {x["learner_id"]: x for x in summary["learners"]}
+    assert sorted(learners) == [0, 1, 2, 3]
+    assert learners[0]["left"] and learners[0]["pushes"]["accepted"] > 0
+    assert learners[3]["leases_trained"] and learners[3]["pushes"]["accepted"] > 0
+    events = [(e["event"], e["learner"]) for e in summary["membership"]]
+    assert ("joined", 2) in events and ("joined", 3) in events and ("left", 0) in events, events
+    # Goodput is over the changing membership: every learner's allocated time is its own.
+    timeline = summary["timeline"]["learners"]
+    assert set(timeline) == {"0", "1", "2", "3"}, timeline.keys()
+    assert 0 < summary["goodput"] <= 1

@@ -112,15 +112,20 @@ def test_two_learners_on_different_meshes_exchange_fragments(corpus):
         for t in threads:
             t.join(timeout=240)
         assert sorted(results) == [0, 1]
+        # On data leases the two share the budget of 2 x 24 steps (leases of 4 batches); a
+        # hole a refused push left is trained again (the ledger below: each batch once).
+        assert sum(r["steps"] for r in results.values()) >= 2 * 24
         for r in results.values():
-            assert r["steps"] == 24 and not r["errors"] and np.isfinite(r["final_loss"])
-            assert r["pushes"]["accepted"] >= 6 and max(r["versions"]) >= 1
+            assert r["steps"] > 0 and not r["errors"] and np.isfinite(r["final_loss"])
+            assert r["pushes"]["accepted"] >= 2 and max(r["versions"]) >= 1
         deadline = time.monotonic() + 30  # the last rounds close within the syncer's next tick
         while any(f["pending"] for f in server.state.status()["fragments"]):
             assert time.monotonic() < deadline, server.state.status()["fragments"]
             time.sleep(0.02)
         status = server.state.status()
         assert status["merges"] >= 6
+        ledger = status["data_ledger"]
+        assert ledger["consumed_once"] == ledger["windows"] and ledger["repeated"] == 0
         assert {m for rec in status["merge_log"] for m in rec["learners"]} == {0, 1}
     finally:
         server.stop(0)

@@ -536,7 +536,8 @@ def test_learner_killed_mid_run_restores_rejoins_and_neither_replays_nor_hides_d
 def test_syncer_killed_in_the_middle_of_a_merge_loses_no_acknowledged_version(tmp_path):
     # One learner, slowed down 6x so that it is still training while the syncer is away (a
     # loaded machine may take seconds to notice the pause: the learner must outlast that).
-    slow = {"slow_learner": 0, "slowdown": 6.0}
+    # Static shards: its data journal shows it stepping (leases: tests/test_elastic.py).
+    slow = {"slow_learner": 0, "slowdown": 6.0, "decoupled.data_shards": 0}
     cluster = Cluster(tmp_path, _run_config(num_learners=1, **slow))
     marker = tmp_path / "paused_in_merge"
     try:

@@ -11,6 +11,8 @@ A schedule is a YAML file (`--config.chaos=experiments/chaos/NAME.yaml`):
     - {at_s: 40, kind: slow, learner: 1, factor: 3, duration_s: 10}   # steps 3x longer
     - {at_s: 0, kind: link, learner: 1, latency_s: 0.05, bandwidth_mbps: 10, drop: 0.3}
     - {at_s: 60, kind: kill_syncer, repair_s: 5, during_merge: true}   # shard: S for one shard
+    - {at_step: 40, kind: join, learner: 2}    # a new learner joins (at_step: learner 0's)
+    - {at_s: 90, kind: leave, learner: 0}      # SIGTERM: it flushes, releases its lease, exits
   failure_model:                 # optional: generated kills, added to `faults`
     mtbf_s: 120                  # mean time between failures, per learner (exponential)
     repair_s: 20                 # down time before the restart
@@ -21,7 +23,9 @@ A schedule is a YAML file (`--config.chaos=experiments/chaos/NAME.yaml`):
 Faults that come due after the run has ended are never injected. The same schedule drives every
 mode: in `decoupled` a learner fault hits that learner's process; in `dp` and `diloco`, which run
 every learner in one process, a kill ends the whole process (as one dead chip stops a
-synchronous job), and a pause stops it.
+synchronous job), and a pause stops it. `join` and `leave` change a decoupled run's membership
+(they need data leases, `decoupled.data_shards` > 0): a join starts learner `learner` (an id
+from `num_learners` up to `decoupled.max_learners`), a leave ends one gracefully for good.
 
 Slow-downs and link faults reach a learner through a small JSON control file
 (`$DD_CHAOS_DIR/learner_I.json`) that the learner (step loop) and its gRPC channel
@@ -39,7 +43,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-KINDS = ("kill", "pause", "slow", "link", "kill_syncer")
+KINDS = ("kill", "pause", "slow", "link", "kill_syncer", "join", "leave")
+MEMBERSHIP = ("join", "leave")  # the kinds that change who trains
 DIR_ENV = "DD_CHAOS_DIR"
 LEARNER_ENV = "DD_CHAOS_LEARNER"
 
@@ -56,7 +61,7 @@ class Fault:
       kind: one of `KINDS`.
       at_s: seconds after the run starts; None when triggered by `at_step`.
       at_step: inject when `learner` has reached this step (instead of `at_s`).
-      learner: the target learner (-1 for `kill_syncer`).
+      learner: the target learner (-1 for `kill_syncer`); join: the id that joins.
       repair_s: kill, kill_syncer: seconds down before the restart.
       duration_s: pause, slow, link: seconds the fault lasts (0: to the end of the run).
       factor: slow: steps take this many times longer.
@@ -107,16 +112,27 @@ class Schedule:
     faults: tuple[Fault, ...]
     seed: int = 0
 
-    def validate(self, num_learners: int) -> None:
-        """Checks every target against `num_learners`.
+    def validate(self, num_learners: int, max_learners: int = 0) -> None:
+        """Checks every target against `num_learners` starting and `max_learners` at most.
 
         Raises:
-          ChaosError: a fault names a learner that does not exist.
+          ChaosError: a fault names a learner that does not exist (or never joins), or a
+            join names one that already trains.
         """
+        joins = {f.learner for f in self.faults if f.kind == "join"}
+        limit = max(max_learners, num_learners)
         for i, fault in enumerate(self.faults):
-            if fault.kind != "kill_syncer" and not 0 <= fault.learner < num_learners:
+            if fault.kind == "join" and not num_learners <= fault.learner < limit:
                 raise ChaosError(
-                    f"faults[{i}].learner: no learner {fault.learner} among {num_learners}"
+                    f"faults[{i}].learner: a join needs an id in [{num_learners}, {limit}) "
+                    f"(num_learners={num_learners}, decoupled.max_learners={limit}), got "
+                    f"{fault.learner}"
+                )
+            known = fault.learner < num_learners or fault.learner in joins
+            if fault.kind != "kill_syncer" and not (0 <= fault.learner < limit and known):
+                raise ChaosError(
+                    f"faults[{i}].learner: no learner {fault.learner} among {num_learners} "
+                    f"(and the joins {sorted(joins)})"
                 )
             if fault.at_step is not None and fault.kind == "kill_syncer" and fault.learner < 0:
                 raise ChaosError(f"faults[{i}].at_step: needs `learner` (whose step to watch)")
@@ -173,7 +189,7 @@ def _fault(raw: Any, i: int) -> Fault:
         raise ChaosError(f"{where}.factor: a slow-down factor must be >= 1, got {fault.factor}")
     if fault.drop >= 1:
         raise ChaosError(f"{where}.drop: must be < 1 (a share of calls), got {fault.drop}")
-    if fault.kind in ("kill", "pause", "slow", "link") and fault.learner < 0:
+    if fault.kind in ("kill", "pause", "slow", "link", *MEMBERSHIP) and fault.learner < 0:
         raise ChaosError(f"{where}.learner: a {fault.kind} fault needs a learner >= 0")
     return fault
 
@@ -216,8 +232,10 @@ def parse(data: Any) -> tuple[Schedule, FailureModel | None]:
     return Schedule(tuple(faults), seed), None
 
 
-def load(path: str | pathlib.Path, num_learners: int) -> Schedule:
+def load(path: str | pathlib.Path, num_learners: int, max_learners: int = 0) -> Schedule:
     """Reads a schedule file and expands its failure model for `num_learners` learners.
+
+    `max_learners`: the most learners the run may have (joins name ids below it).
 
     Raises:
       ChaosError: the file is missing, not YAML, or holds a bad schedule (named in the message).
@@ -239,7 +257,7 @@ def load(path: str | pathlib.Path, num_learners: int) -> Schedule:
     faults.sort(key=lambda f: (f.at_s is None, f.at_s or 0.0, f.learner))
     schedule = Schedule(tuple(faults), schedule.seed)
     try:
-        schedule.validate(num_learners)
+        schedule.validate(num_learners, max_learners)
     except ChaosError as error:
         raise ChaosError(f"{path}: {error}") from None
     return schedule

@@ -3,7 +3,8 @@
 The injector is a thread of the launcher: it fires each fault when it comes due (`at_s` after
 the run's start, or when the learner's timeline reaches `at_step`), acts through a `Target` (the
 `supervisor.Supervisor`), undoes pauses, slow-downs and link faults after their duration, and
-logs every fault and recovery.
+logs every fault and recovery (and every join and leave, as a "membership" event: those are
+changes of the fleet, not faults).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class Target(Protocol):
 
     def learner_step(self, learner: int) -> int:
         """The learner's current step (-1 before its first)."""
+
+    def join_learner(self, learner: int) -> bool:
+        """Starts a new learner `learner` (a join). False: it is running already."""
+
+    def leave_learner(self, learner: int) -> bool:
+        """Ends `learner` gracefully for good (SIGTERM: a leave). False: not running."""
 
 
 class Injector(threading.Thread):
@@ -79,7 +86,8 @@ class Injector(threading.Thread):
     def _due(self, fault: Fault) -> bool:
         if fault.at_s is not None:
             return self._now() >= fault.at_s
-        return self.target.learner_step(fault.learner) >= fault.at_step
+        watched = 0 if fault.kind == "join" else fault.learner  # a joiner has no step yet
+        return self.target.learner_step(watched) >= fault.at_step
 
     def run(self) -> None:  # noqa: D102 - threading.Thread.run
         pending = list(self.schedule.faults)
@@ -132,6 +140,13 @@ class Injector(threading.Thread):
                 self._emit("fault", fault, **({} if busy is None else {"merge_pending": busy}))
             else:
                 self._emit("fault_skipped", fault, reason="syncer not running")
+        elif fault.kind in ("join", "leave"):
+            act = self.target.join_learner if fault.kind == "join" else self.target.leave_learner
+            if act(fault.learner):
+                self._emit("membership", fault)
+            else:
+                why = "learner running already" if fault.kind == "join" else "learner not running"
+                self._emit("fault_skipped", fault, reason=why)
         elif fault.kind == "pause":
             if not self.target.pause_learner(fault.learner):
                 self._emit("fault_skipped", fault, reason="learner not running")

@@ -21,6 +21,7 @@ import ml_collections
 from decoupled_diloco.config.checks import check
 from decoupled_diloco.config.derived import (
     data_leases,
+    lease_shards,
     max_learners,
     mesh_shape_for,
     overlap_steps,
@@ -81,6 +82,7 @@ __all__ = [
     "as_config_dict",
     "data_leases",
     "from_config_dict",
+    "lease_shards",
     "max_learners",
     "mesh_shape_for",
     "overlap_steps",

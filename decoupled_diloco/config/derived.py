@@ -52,6 +52,16 @@ def max_learners(config: ExperimentConfig) -> int:
     return config.decoupled.max_learners or 2 * config.num_learners
 
 
+def lease_shards(config: ExperimentConfig) -> int:
+    """S: `decoupled.data_shards`, fewer where a lease would be shorter than one round.
+
+    A lease holds at least `inner_steps` batches, so that a learner holding its next lease
+    trains on through a syncer outage of two rounds (`learner.leases`).
+    """
+    budget = config.num_learners * config.train_steps
+    return max(1, min(config.decoupled.data_shards, budget // max(config.inner_steps, 1)))
+
+
 def data_leases(config: ExperimentConfig) -> bool:
     """Whether learners train on data leases from the syncer's ledger (`decoupled.data_shards`)."""
     return config.decoupled.data_shards > 0 and config.decoupled.syncer.shards == 1

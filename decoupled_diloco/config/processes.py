@@ -144,13 +144,16 @@ class DecoupledConfig:
       max_learners: learner ids in [0, max_learners) may register, so learners beyond the
         starting `num_learners` can join a running job; 0: twice `num_learners`.
       data_shards: S, the training data is cut into this many shards, and the run's token
-        budget (`num_learners` · `train_steps` batches) into S leases that the syncer hands to
-        learners as they ask (its data ledger, see decoupled_diloco/syncer/ledger.py): a
-        learner that dies loses compute, not data (its lease is handed again from the last
-        accepted position), and a learner that joins takes its share. 0: static shards
-        (learner i trains windows i, i + M, ... for `train_steps` steps; its batches after its
-        last checkpoint are skipped when it restarts; the default for now). Leases need one
-        syncer shard.
+        budget (`num_learners` · `train_steps` batches, whoever trains them) into S leases
+        that the syncer hands to learners as they ask (its data ledger, see
+        decoupled_diloco/syncer/ledger.py): a learner that dies loses compute, not data (its
+        lease is handed again from the last accepted position), a learner that joins takes
+        its share, and the run ends when the whole budget is in the global model, so a
+        learner's own step count follows its speed. 0: static shards (learner i trains windows
+        i, i + M, ... for `train_steps` steps; its batches after its last checkpoint are
+        skipped when it restarts; no joins). Fewer leases where one would hold fewer than
+        `inner_steps` batches. Leases need one syncer shard: with
+        `syncer.shards` > 1 the shards are static.
       syncer: the syncer's address, security, transport and timing.
     """
 
@@ -171,7 +174,7 @@ class DecoupledConfig:
     wan_mbit: float = 0.0
     wan_sites: str = "learner"
     max_learners: int = 0
-    data_shards: int = 0
+    data_shards: int = 64
     syncer: SyncerConfig = SyncerConfig()
 
 

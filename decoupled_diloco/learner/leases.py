@@ -2,7 +2,8 @@
 
 With data leases (`decoupled.data_shards` > 0, see `syncer.ledger`) the learner asks the syncer
 for a lease, trains its batches (lease k is the dataset's shard k of S: the same data order
-whoever trains it), and asks again at its end. Every batch comes with where it is from
+whoever trains it), and asks for the next one as it starts (so a syncer outage at a lease's
+end costs no step). Every batch comes with where it is from
 ((lease, position): the link reports it with each push). When no lease is free but leases
 that other live learners hold are not covered yet, the learner pushes everything it trained
 (`on_idle`: its final flush) and asks again every `poll_s`: a learner that dies meanwhile
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 Batch = Any
@@ -26,10 +28,12 @@ def leased_batches(
     batch_size: int,
     seed: int,
     ask: Callable[[bool], Any],
+    start: Callable[[Any], None],
     on_idle: Callable[[], None],
     stop: threading.Event,
     poll_s: float = 0.5,
     log: Callable[[str], None] = print,
+    ahead: bool = True,
 ) -> Iterator[tuple[Batch, Where]]:
     """Batches of the leases the syncer hands out, each with its (lease, position).
 
@@ -39,38 +43,52 @@ def leased_batches(
       seed: the run's seed (the data order within each shard).
       ask: asks the syncer for a lease (`SyncerClient.lease`); given whether everything
         trained so far has been pushed.
+      start: called with a grant before its first batch (the link's `lease_started`).
       on_idle: pushes everything trained so far (called before waiting for a lease).
       stop: set to stop at the next batch (a learner leaving).
       poll_s: how often to ask again while no lease is free.
       log: where lease changes are reported.
+      ahead: as a lease starts, ask for the next one in a thread, so that a syncer outage at
+        a lease's end does not stop training (a learner holds at most two leases). A
+        multi-process island, whose processes must ask together, asks at the lease's end.
     """
     flushed = False
-    while not stop.is_set():
-        grant = ask(flushed)
-        if grant.status == "granted":
-            batches = dataset.train_iterator(batch_size, grant.lease, grant.num_shards, seed)
-            for _ in range(grant.begin):  # positions already covered: the same order again
-                next(batches)
-            if grant.begin:
-                log(f"lease {grant.lease} from batch {grant.begin} of {grant.end} (handed again)")
-            for position in range(grant.begin, grant.end):
-                if stop.is_set():
-                    return
-                yield next(batches), (grant.lease, position)
-            flushed = False
-        elif grant.status == "wait":
-            if not flushed:
-                on_idle()
-                flushed = True
-            stop.wait(poll_s)
-        elif grant.status == "done":
-            return
-        else:
-            raise RuntimeError(
-                f"the syncer hands no data leases (status {grant.status!r}): it was started "
-                "with decoupled.data_shards=0 or several shards; start learners and syncer "
-                "from the same config"
-            )
+    pool = futures.ThreadPoolExecutor(1, thread_name_prefix="lease-ahead") if ahead else None
+    coming: futures.Future | None = None  # the next lease, asked for as this one started
+    try:
+        while not stop.is_set():
+            grant = coming.result() if coming is not None else ask(flushed)
+            coming = None
+            if grant.status == "granted":
+                start(grant)
+                if pool is not None:
+                    coming = pool.submit(ask, False)
+                batches = dataset.train_iterator(batch_size, grant.lease, grant.num_shards, seed)
+                for _ in range(grant.begin):  # positions already covered: the same order again
+                    next(batches)
+                if grant.begin:
+                    log(f"lease {grant.lease} from batch {grant.begin} of {grant.end} (again)")
+                for position in range(grant.begin, grant.end):
+                    if stop.is_set():
+                        return
+                    yield next(batches), (grant.lease, position)
+                flushed = False
+            elif grant.status == "wait":
+                if not flushed:
+                    on_idle()
+                    flushed = True
+                stop.wait(poll_s)
+            elif grant.status == "done":
+                return
+            else:
+                raise RuntimeError(
+                    f"the syncer hands no data leases (status {grant.status!r}): it was started "
+                    "with decoupled.data_shards=0 or several shards; start learners and syncer "
+                    "from the same config"
+                )
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def static_batches(

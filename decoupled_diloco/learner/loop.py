@@ -97,6 +97,7 @@ class Learner:
         self.leases_trained: list[int] = []  # leases it trained on, in order (with leases)
 
     sync_class = DecoupledSync  # a multi-process island's replaces its device<->host hooks
+    lease_ahead = True  # ask for the next lease in a thread (`leases.leased_batches`)
 
     def _make_sync(self, client: Any, **extra: Any) -> DecoupledSync:
         """This learner's link (`extra`: more arguments of `sync_class`)."""
@@ -148,12 +149,9 @@ class Learner:
         """Asks the run to end at the next step boundary (a graceful leave: SIGTERM)."""
         self.leaving.set()
 
-    def _lease(self, flushed: bool) -> Any:
-        """Asks the syncer for a data lease (a multi-process island's leader asks for all)."""
-        grant = self._ask(flushed)
-        if grant.status == "granted":
-            self.sync.lease_started(grant.lease, grant.begin, list(grant.covered))
-        return grant
+    def _lease_started(self, grant: Any) -> None:
+        """A lease's first batch is drawn (`DecoupledSync.lease_started`)."""
+        self.sync.lease_started(grant.lease, grant.begin, list(grant.covered))
 
     def _ask(self, flushed: bool) -> Any:
         """One lease request (`SyncerClient.lease`), retried through a syncer outage."""
@@ -185,6 +183,11 @@ class Learner:
         leased = data_leases(c)
         batches = None  # static shards: this learner's iterator (checkpointed with it)
         if not leased:
+            if self.id >= c.num_learners:  # its static shard would be another learner's
+                raise ValueError(
+                    f"learner {self.id} cannot join a run of num_learners={c.num_learners} "
+                    "static shards: joins need data leases (decoupled.data_shards > 0)"
+                )
             batches = dataset.train_iterator(c.data.batch_size, self.id, c.num_learners, c.seed)
             if self.checkpoints is not None:
                 check_checkpointable(batches, c)
@@ -206,10 +209,12 @@ class Learner:
                 dataset,
                 c.data.batch_size,
                 c.seed,
-                self._lease,
+                self._ask,
+                self._lease_started,
                 self._idle,
                 self.leaving,
                 log=lambda line: print(f"[learner {self.id}] {line}", flush=True),
+                ahead=self.lease_ahead,
             )
         else:
             source = leases.static_batches(

@@ -287,6 +287,7 @@ class MultihostLearner(Learner):
             self.checkpoints.journal = _AgreedJournal(self.checkpoints.journal, group.is_leader)
 
     sync_class = MultihostSync
+    lease_ahead = False  # its processes ask together (a broadcast), at each lease's end
 
     def _make_sync(self, client: Any, **extra: Any) -> MultihostSync:
         return super()._make_sync(client, group=self.group, **extra)

@@ -14,8 +14,10 @@ import dataclasses
 import pathlib
 from typing import Any
 
+from decoupled_diloco import config as config_lib
 from decoupled_diloco.chaos import faults as chaos
 from decoupled_diloco.chaos.injector import Injector
+from decoupled_diloco.local import scaling
 from decoupled_diloco.local.supervisor import EventLog, Supervisor
 from decoupled_diloco.obs import timeline as timeline_lib
 
@@ -30,7 +32,8 @@ def prepare_run(config: Any, workdir: pathlib.Path) -> tuple[Any, dict[str, str]
       chaos.ChaosError: the schedule cannot be read or names a learner that does not exist.
     """
     timeline_dir, control_dir = workdir / "timeline", workdir / "chaos"
-    for folder in (timeline_dir, control_dir):  # A fresh run: nothing from an earlier one.
+    # A fresh run: nothing from an earlier one (no stale scale requests either).
+    for folder in (timeline_dir, control_dir, workdir / scaling.FOLDER):
         for path in folder.glob("*") if folder.exists() else []:
             path.unlink()
     timeline_dir.mkdir(parents=True, exist_ok=True)
@@ -39,7 +42,14 @@ def prepare_run(config: Any, workdir: pathlib.Path) -> tuple[Any, dict[str, str]
         return config, env, None
     path = str(pathlib.Path(config.chaos).absolute())
     config = dataclasses.replace(config, chaos=path)
-    schedule = chaos.load(path, config.num_learners)
+    schedule = chaos.load(path, config.num_learners, config_lib.max_learners(config))
+    changes = sorted({f.kind for f in schedule.faults if f.kind in chaos.MEMBERSHIP})
+    if changes and not (config.mode == "decoupled" and config_lib.data_leases(config)):
+        raise chaos.ChaosError(
+            f"{path}: {' and '.join(changes)} events need a decoupled run with data leases "
+            f"(decoupled.data_shards > 0 and one syncer shard); this run is {config.mode!r} "
+            f"with data_shards={config.decoupled.data_shards}"
+        )
     env[chaos.DIR_ENV] = str(control_dir)
     return config, env, schedule
 

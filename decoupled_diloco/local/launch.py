@@ -185,13 +185,25 @@ def run_decoupled(
                 config.supervisor.standby,
                 workdir / "timeline",
             )
-        summaries = [workdir / f"learner_{i}.json" for i in range(config.num_learners)]
-        for i in range(config.num_learners):
-            summaries[i].unlink(missing_ok=True)
+
+        def start_learner(i: int) -> None:
+            """Starts learner i's process(es): a starting learner, or one that joins."""
+            if i >= config.num_learners and not config_lib.data_leases(config):
+                raise ValueError(
+                    f"learner {i} cannot join: learners beyond num_learners={config.num_learners}"
+                    " need data leases (decoupled.data_shards > 0, one syncer shard)"
+                )
+            if not 0 <= i < config_lib.max_learners(config):
+                raise ValueError(
+                    f"learner {i} cannot join: ids stop at decoupled.max_learners="
+                    f"{config_lib.max_learners(config)}"
+                )
+            summary = workdir / f"learner_{i}.json"
+            summary.unlink(missing_ok=True)
             metrics = metrics_flags(workdir, f"learner_{i}", config, metrics_urls)
             reach = [shaping.address(ports, i, j) for j in range(config.decoupled.island_processes)]
             island = island_commands(
-                config, config_file, reach, i, summaries[i], shaping.coordinator_host(i)
+                config, config_file, reach, i, summary, shaping.coordinator_host(i)
             )
             for j, (name, command) in enumerate(island):
                 leader = j == 0
@@ -205,6 +217,11 @@ def run_decoupled(
                 }
                 command = shaping.learner(i, command + metrics, j)
                 supervisor.add(name, command, learners=[i], env=env)
+
+        for i in range(config.num_learners):
+            start_learner(i)
+        # Joins and leaves: the chaos schedule's, and `status --add_learner/--remove_learner`.
+        supervisor.spawn, supervisor.scale_dir = start_learner, workdir
         client = syncer_client(address, config.decoupled.syncer, token)
         if config.monitor.enabled:
             monitor = _start_monitor(config, address, token, workdir, metrics_urls)
@@ -217,7 +234,10 @@ def run_decoupled(
             injector.halt.set()
             supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval
             client.wait_ready(120)
-        learners = [json.loads(path.read_text()) for path in summaries]
+        learners = [  # every learner that trained: the starting ones and those that joined
+            json.loads((workdir / f"learner_{i}.json").read_text())
+            for i in supervisor.learner_ids()
+        ]
         params, eval_loss = evaluator()
         if monitor is not None:  # the last poll, while the syncer still answers
             monitor.finish(f"training finished: final eval loss {eval_loss:.4f}")

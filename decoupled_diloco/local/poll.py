@@ -53,14 +53,13 @@ def watch(
     """
     next_eval = config.eval.every
     writer = MetricsWriter(workdir)
-    learner_names = [f"learner_{i}" for i in range(config.num_learners)]
     status: dict[str, Any] = {"merges": 0, "learners": {}}
     staleness = 0  # the largest version lag of a learner seen (summary: max_staleness)
     progress = watch_lib.RunProgress("decoupled")
     try:
         while True:
             supervisor.check()  # a child that died on its own, not by a fault, ends the run
-            done = supervisor.finished(learner_names)
+            done = supervisor.finished(supervisor.learner_names())  # (joins included)
             try:
                 status = client.status()
             except Exception as error:  # noqa: BLE001 - report and keep watching the children.

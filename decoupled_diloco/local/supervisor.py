@@ -28,10 +28,11 @@ import subprocess
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from decoupled_diloco import config as config_lib
+from decoupled_diloco.local import scaling
 from decoupled_diloco.local.procs import Processes
 from decoupled_diloco.obs import timeline as timeline_lib
 
@@ -80,6 +81,7 @@ class Child:
     started_at: float = 0.0  # monotonic, of its current process
     deaths: int = 0  # unexpected deaths so far (not ours)
     quick_deaths: int = 0  # consecutive unexpected deaths within `min_uptime_s` of a start
+    left: bool = False  # asked to leave for good (SIGTERM): never restarted
 
 
 class Supervisor:
@@ -108,6 +110,10 @@ class Supervisor:
         self.error: str | None = None
         # `standby.Spares` (config.supervisor.standby): restarts activate warm spare learners.
         self.spares: Any = None
+        # Elastic membership: `spawn(i)` starts learner i (set by the launcher); `scale_dir`
+        # is the run folder whose scale requests (`local.scaling`) are taken on every poll.
+        self.spawn: Callable[[int], None] | None = None
+        self.scale_dir: pathlib.Path | None = None
         self._lock = threading.RLock()
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
@@ -181,6 +187,9 @@ class Supervisor:
         with self._lock:
             if self.spares is not None and self.error is None:
                 self.error = self.spares.poll()  # (starts spares; a dead one is an error)
+            if self.scale_dir is not None:
+                for request in scaling.take(self.scale_dir):
+                    self._scale(request)
             for child in self.children.values():
                 code = child.proc.poll() if child.proc else None
                 if child.restart_at is not None:
@@ -197,7 +206,7 @@ class Supervisor:
                                 **({"warm_standby": child.warm} if self.spares else {}),
                             }
                         )
-                elif code not in (None, 0) and self.error is None:
+                elif code not in (None, 0) and self.error is None and not child.left:
                     self._died(child, code, now)
 
     def _died(self, child: Child, code: int, now: float) -> None:
@@ -267,12 +276,23 @@ class Supervisor:
     def finished(self, names: Sequence[str]) -> bool:
         """Whether these children all exited cleanly and none is waiting for a restart."""
         with self._lock:
+            children = [self.children[n] for n in names]
             return all(
-                self.children[n].restart_at is None
-                and self.children[n].proc is not None
-                and self.children[n].proc.poll() == 0
-                for n in names
+                c.restart_at is None
+                and c.proc is not None
+                and (c.proc.poll() == 0 or (c.left and c.proc.poll() is not None))
+                for c in children
             )
+
+    def learner_names(self) -> list[str]:
+        """The children that carry learners: the starting ones and every one that joined."""
+        with self._lock:
+            return [n for n, c in self.children.items() if c.learners]
+
+    def learner_ids(self) -> list[int]:
+        """Every learner id a child carries, sorted."""
+        with self._lock:
+            return sorted({i for c in self.children.values() for i in c.learners})
 
     def settle(self, timeout_s: float) -> None:
         """Waits until no child is down waiting for its restart (e.g. a syncer killed late)."""
@@ -300,7 +320,7 @@ class Supervisor:
             now, t = time.monotonic(), time.time()
             if self.down_until.get(learner, 0.0) > now:
                 return False
-            carriers = [c for c in self.children.values() if learner in c.learners]
+            carriers = [c for c in self.children.values() if learner in c.learners and not c.left]
             alive = [c for c in carriers if c.proc is not None and c.proc.poll() is None]
             down = [c for c in carriers if c.restart_at is not None]
             # Died on its own a moment ago, not yet noticed by `poll`: down already, so the
@@ -379,3 +399,52 @@ class Supervisor:
         if child is None:
             return -1
         return timeline_lib.current_step(self.timeline_dir / f"{child.name}.jsonl")
+
+    # Membership (chaos `join`/`leave`, `status --add_learner/--remove_learner`) ---------------
+
+    def join_learner(self, learner: int) -> bool:
+        """Starts learner `learner` through `spawn` (a join); False if it has a process already.
+
+        Raises:
+          ValueError: this run cannot add learners, or not this one (`spawn` says why).
+        """
+        with self._lock:
+            if self.spawn is None:
+                raise ValueError("this run cannot add learners (only a decoupled run can)")
+            if self.carrier(learner) is not None:
+                return False
+            self.spawn(learner)
+            return True
+
+    def leave_learner(self, learner: int) -> bool:
+        """Ends `learner` for good; False if it is not running.
+
+        SIGTERM: it flushes, releases its lease and exits. It is never restarted, and counts
+        as finished once it exits.
+        """
+        with self._lock:
+            carriers = [
+                c
+                for c in self.children.values()
+                if learner in c.learners and c.proc is not None and c.proc.poll() is None
+            ]
+            for child in carriers:
+                child.left = True
+                child.proc.send_signal(signal.SIGTERM)
+            return bool(carriers)
+
+    def _scale(self, request: dict[str, Any]) -> None:
+        """Acts on one scale request (`local.scaling.take`) and logs what came of it."""
+        action, learner = request["action"], request.get("learner", -1)
+        if action == "join" and learner < 0:  # the next id never used in this run
+            learner = 1 + max((x for c in self.children.values() for x in c.learners), default=-1)
+        event = {"event": "membership", "kind": action, "learner": learner, "source": "status"}
+        try:
+            if action == "invalid":
+                raise ValueError(request["error"])
+            done = self.join_learner(learner) if action == "join" else self.leave_learner(learner)
+            if not done:
+                raise ValueError("running already" if action == "join" else "not running")
+        except ValueError as error:
+            event = {**event, "event": "scale_refused", "reason": str(error)}
+        self.log(event)

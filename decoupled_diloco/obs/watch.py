@@ -108,6 +108,11 @@ def render(status: dict[str, Any], merges_per_min: float | None = None, title: s
     goodput = goodput_text(status)
     if goodput:
         footer.append(goodput)
+    changes = [  # joins, restarts, leaves and losses (the syncer's membership log)
+        f"L{e.get('learner')} {e.get('event')}" for e in status.get("membership", [])[-4:]
+    ]
+    if changes:
+        footer.append("membership: " + ", ".join(changes))
     return Group(learners, fragments, Text(" | ".join(footer)))
 
 

@@ -15,6 +15,7 @@ from decoupled_diloco.syncer import ledger as ledger_lib
 
 # Data ranges one push may carry (leases its outer gradient spans; each lease is one range).
 MAX_DATA_RANGES = 256
+MEMBERSHIP_KEPT = 1000  # membership changes kept in memory (the status and snapshot: 200)
 
 
 def pending_ranges(state: Any) -> list[list[list[int]]]:
@@ -57,6 +58,7 @@ def log_membership(state: Any, event: str, learner_id: int) -> None:
     state.membership.append(
         {"time": round(time.time(), 3), "event": event, "learner": learner_id, "live": sorted(live)}
     )
+    del state.membership[:-MEMBERSHIP_KEPT]  # bounded: a crash-looping learner cannot grow it
     state._live = live
 
 

@@ -42,7 +42,13 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from decoupled_diloco.config import ExperimentConfig, data_leases, max_learners, overlap_steps
+from decoupled_diloco.config import (
+    ExperimentConfig,
+    data_leases,
+    lease_shards,
+    max_learners,
+    overlap_steps,
+)
 from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
 from decoupled_diloco.syncer import elastic, merge, view
@@ -129,7 +135,7 @@ class SyncerState:
         self.ledger = (
             ledger_lib.Ledger(
                 config.num_learners * config.train_steps,
-                d.data_shards,
+                lease_shards(config),
                 len(fragments),
                 config.data.batch_size,
             )
