@@ -181,7 +181,7 @@ def test_multihost_islands_train_to_the_end_and_losing_one_process_restarts_only
         assert other["pushes"] == {"accepted": 0, "late": 0, "duplicate": 0}  # leader only
         assert other["pushes_unsent"] == other["pushes_dropped"] == 0 and not other["errors"]
         # One checkpoint per island, written by both processes together (each its shards).
-        assert (tmp_path / "checkpoints" / f"learner_{i}" / str(steps)).is_dir()
+        assert (tmp_path / "checkpoints" / f"learner_{i}" / str(leader["steps"])).is_dir()
     assert not _pids(tmp_path, "decoupled_diloco")  # every child reaped
 
 

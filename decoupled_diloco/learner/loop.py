@@ -271,6 +271,8 @@ class Learner:
             # The last step's checkpoint is on disk before the flush, which may wait long on a
             # stopped or distant syncer: a learner killed then restarts after its last step.
             self._mark("checkpointing", self.step)
+            if leased and self.step and not self.checkpoints.due(self.step, -1):
+                self.checkpoints.save(self, state, None)  # (its last step is known only now)
             self.checkpoints.wait()
         self._mark("blocked")  # the final flush
         flush_s = self.sync.flush(state.params)
