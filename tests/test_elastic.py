@@ -310,3 +310,39 @@ def test_the_launcher_grows_and_shrinks_a_run_by_schedule_and_by_the_status_comm
     timeline = summary["timeline"]["learners"]
     assert set(timeline) == {"0", "1", "2", "3"}, timeline.keys()
     assert 0 < summary["goodput"] <= 1
+
+
+def test_join_and_leave_events_are_checked_against_the_learners_that_can_exist(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "faults:\n  - {at_step: 5, kind: join, learner: 2}\n"
+        "  - {at_s: 9, kind: kill, learner: 2, repair_s: 1}\n"  # a joiner can fail too
+        "  - {at_s: 20, kind: leave, learner: 0}\n"
+    )
+    schedule = faults.load(path, 2, max_learners=3)
+    assert sorted(f.kind for f in schedule.faults) == ["join", "kill", "leave"]
+    with pytest.raises(faults.ChaosError, match=r"a join needs an id in \[2, 2\)"):
+        faults.load(path, 2)  # max_learners defaults to num_learners: nobody can join
+    path.write_text("faults:\n  - {at_s: 1, kind: kill, learner: 3}\n")
+    with pytest.raises(faults.ChaosError, match="no learner 3 among 2"):
+        faults.load(path, 2, max_learners=4)  # 3 could exist, but never joins
+    path.write_text("faults:\n  - {at_s: 1, kind: join, learner: 1}\n")
+    with pytest.raises(faults.ChaosError, match="a join needs an id"):
+        faults.load(path, 2, max_learners=4)  # learner 1 trains from the start
+
+
+def test_scale_requests_are_taken_once_in_order_and_bad_ones_are_named(tmp_path):
+    from decoupled_diloco.local import scaling
+
+    with pytest.raises(ValueError, match="no run_token"):
+        scaling.request(tmp_path, "join")
+    (tmp_path / "run_token").write_text("t")
+    scaling.request(tmp_path, "join")
+    scaling.request(tmp_path, "leave", 1)
+    (tmp_path / "scale" / "99999999999999999999-0-join.json").write_text('{"action": "grow"}')
+    with pytest.raises(ValueError, match="names the learner"):
+        scaling.request(tmp_path, "leave")
+    taken = scaling.take(tmp_path)
+    assert taken[:2] == [{"action": "join", "learner": -1}, {"action": "leave", "learner": 1}]
+    assert taken[2]["action"] == "invalid" and "grow" in taken[2]["error"]
+    assert scaling.take(tmp_path) == []
