@@ -321,6 +321,7 @@ def test_join_and_leave_events_are_checked_against_the_learners_that_can_exist(t
     )
     schedule = faults.load(path, 2, max_learners=3)
     assert sorted(f.kind for f in schedule.faults) == ["join", "kill", "leave"]
+    path.write_text("faults:\n  - {at_step: 5, kind: join, learner: 2}\n")
     with pytest.raises(faults.ChaosError, match=r"a join needs an id in \[2, 2\)"):
         faults.load(path, 2)  # max_learners defaults to num_learners: nobody can join
     path.write_text("faults:\n  - {at_s: 1, kind: kill, learner: 3}\n")
