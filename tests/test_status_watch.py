@@ -79,3 +79,30 @@ def test_syncer_on_a_port_in_use_says_what_to_do():
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}.*--port=0"):
             SyncerServer(config, host="127.0.0.1", port=port, token=TOKEN)
+
+
+def test_the_live_table_the_status_table_and_the_progress_line_show_membership():
+    from decoupled_diloco.local.poll import progress_line
+    from decoupled_diloco.status import format_status
+
+    learner = {
+        "state": "training", "mesh": "1x1", "step": 7, "loss": 2.0, "eval_loss": float("nan"),
+        "heartbeat_age_s": 0.1, "staleness": 0, "versions": [1],
+    }  # fmt: skip
+    status = {
+        "learners": {"0": learner, "2": learner},
+        "fragments": [{"version": 1, "merges": 1, "late_pushes": 0, "duplicate_pushes": 0,
+                       "pending": [], "bytes": 10}],
+        "merges": 1,
+        "ema": {"step_s": 0.01, "quorum_s": 0.0, "sync_s": 0.0},
+        "membership": [
+            {"event": "joined", "learner": 2, "live": [0, 1, 2]},
+            {"event": "left", "learner": 1, "live": [0, 2]},
+        ],
+        "data_ledger": {"windows": 400, "consumed_once": 100},
+    }  # fmt: skip
+    assert "membership: L2 joined, L1 left" in _text(watch.render(status))
+    table = format_status(status)
+    assert "learner 2 joined (live [0, 1, 2])" in table and "learner 1 left" in table
+    line = progress_line(status, 0, 3.0)
+    assert "L2 train 7 loss" in line and line.endswith("data 25%")

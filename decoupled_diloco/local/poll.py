@@ -22,16 +22,22 @@ from decoupled_diloco.obs.metrics import MetricsWriter
 
 
 def progress_line(status: dict[str, Any], total_steps: int, elapsed: float) -> str:
-    """One line for all learners: state, step, loss and fragment versions, plus merges."""
+    """One line for all learners: state, step, loss and fragment versions, plus merges.
+
+    `total_steps` 0: a run on data leases, whose learners' step counts follow their speed; the
+    line ends with the share of the budget the global model holds (the data ledger).
+    """
     parts = []
     for i, info in status["learners"].items():
         loss = info["loss"]
         loss_text = f"{loss:.3f}" if loss == loss else "-"
-        parts.append(
-            f"L{i} {info['state'][:5]} {info['step']}/{total_steps} loss {loss_text} "
-            f"v{info['versions']}"
-        )
-    return f"[decoupled] {elapsed:5.0f}s | " + " | ".join(parts) + f" | merges {status['merges']}"
+        step = f"{info['step']}/{total_steps}" if total_steps else str(info["step"])
+        parts.append(f"L{i} {info['state'][:5]} {step} loss {loss_text} v{info['versions']}")
+    line = f"[decoupled] {elapsed:5.0f}s | " + " | ".join(parts) + f" | merges {status['merges']}"
+    ledger = status.get("data_ledger")
+    if ledger and ledger.get("windows"):
+        line += f" | data {ledger['consumed_once'] / ledger['windows']:.0%}"
+    return line
 
 
 def watch(
@@ -83,7 +89,8 @@ def watch(
                 evals = [
                     x["eval_loss"] for x in learners.values() if x["eval_loss"] == x["eval_loss"]
                 ]
-                progress.show(status, progress_line(status, config.train_steps, elapsed), elapsed)
+                total = 0 if config_lib.data_leases(config) else config.train_steps
+                progress.show(status, progress_line(status, total, elapsed), elapsed)
                 writer.write(
                     step=int(np.mean(steps)),
                     tokens=sum(x["tokens"] for x in learners.values()),
