@@ -303,6 +303,8 @@ def test_the_launcher_grows_and_shrinks_a_run_by_schedule_and_by_the_status_comm
     learners = {x["learner_id"]: x for x in summary["learners"]}
     assert sorted(learners) == [0, 1, 2, 3]
     assert learners[0]["left"] and learners[0]["pushes"]["accepted"] > 0
+    # The joiners trained to the end: none was ended with the thread that started it.
+    assert not learners[2]["left"] and not learners[3]["left"]
     assert learners[3]["leases_trained"] and learners[3]["pushes"]["accepted"] > 0
     events = [(e["event"], e["learner"]) for e in summary["membership"]]
     assert ("joined", 2) in events and ("joined", 3) in events and ("left", 0) in events, events

@@ -234,9 +234,12 @@ def run_decoupled(
             injector.halt.set()
             supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval
             client.wait_ready(120)
-        learners = [  # every learner that trained: the starting ones and those that joined
-            json.loads((workdir / f"learner_{i}.json").read_text())
-            for i in supervisor.learner_ids()
+        # Every learner that trained: the starting ones and those that joined (one that was
+        # asked to leave before it could write its summary has none).
+        left = {i for c in supervisor.children.values() if c.left for i in c.learners}
+        paths = {i: workdir / f"learner_{i}.json" for i in supervisor.learner_ids()}
+        learners = [
+            json.loads(p.read_text()) for i, p in paths.items() if i not in left or p.exists()
         ]
         params, eval_loss = evaluator()
         if monitor is not None:  # the last poll, while the syncer still answers

@@ -61,3 +61,20 @@ def take(workdir: str | pathlib.Path) -> list[dict[str, Any]]:
             taken.append({"action": "invalid", "file": path.name, "error": str(error)[:200]})
         path.unlink(missing_ok=True)
     return taken
+
+
+def apply(supervisor: Any, request: dict[str, Any]) -> None:
+    """Acts on one request (`take`) through `supervisor` and logs what came of it."""
+    action, learner = request["action"], request.get("learner", -1)
+    if action == "join" and learner < 0:  # the next id never used in this run
+        learner = 1 + max(supervisor.learner_ids(), default=-1)
+    event = {"event": "membership", "kind": action, "learner": learner, "source": "status"}
+    try:
+        if action == "invalid":
+            raise ValueError(request["error"])
+        act = supervisor.join_learner if action == "join" else supervisor.leave_learner
+        if not act(learner):
+            raise ValueError("running already" if action == "join" else "not running")
+    except ValueError as error:
+        event = {**event, "event": "scale_refused", "reason": str(error)}
+    supervisor.log(event)

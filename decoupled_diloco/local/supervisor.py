@@ -114,6 +114,7 @@ class Supervisor:
         # is the run folder whose scale requests (`local.scaling`) are taken on every poll.
         self.spawn: Callable[[int], None] | None = None
         self.scale_dir: pathlib.Path | None = None
+        self._joins: list[int] = []  # joins asked from other threads, started by `poll`
         self._lock = threading.RLock()
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
@@ -189,7 +190,14 @@ class Supervisor:
                 self.error = self.spares.poll()  # (starts spares; a dead one is an error)
             if self.scale_dir is not None:
                 for request in scaling.take(self.scale_dir):
-                    self._scale(request)
+                    scaling.apply(self, request)
+            while self._joins:
+                learner = self._joins.pop(0)
+                try:
+                    self.spawn(learner)
+                except ValueError as error:
+                    self.log({"event": "scale_refused", "kind": "join", "learner": learner,
+                              "reason": str(error)})  # fmt: skip
             for child in self.children.values():
                 code = child.proc.poll() if child.proc else None
                 if child.restart_at is not None:
@@ -411,9 +419,15 @@ class Supervisor:
         with self._lock:
             if self.spawn is None:
                 raise ValueError("this run cannot add learners (only a decoupled run can)")
-            if self.carrier(learner) is not None:
+            if self.carrier(learner) is not None or learner in self._joins:
                 return False
-            self.spawn(learner)
+            if self._thread.is_alive() and threading.current_thread() is not self._thread:
+                # Started by the supervisor's own thread, which lives to the end of the run:
+                # Linux sends a child its parent-death signal when the *thread* that started
+                # it exits (`runtime.die_with_parent`), and the injector's thread ends early.
+                self._joins.append(learner)
+            else:
+                self.spawn(learner)
             return True
 
     def leave_learner(self, learner: int) -> bool:
@@ -432,19 +446,3 @@ class Supervisor:
                 child.left = True
                 child.proc.send_signal(signal.SIGTERM)
             return bool(carriers)
-
-    def _scale(self, request: dict[str, Any]) -> None:
-        """Acts on one scale request (`local.scaling.take`) and logs what came of it."""
-        action, learner = request["action"], request.get("learner", -1)
-        if action == "join" and learner < 0:  # the next id never used in this run
-            learner = 1 + max((x for c in self.children.values() for x in c.learners), default=-1)
-        event = {"event": "membership", "kind": action, "learner": learner, "source": "status"}
-        try:
-            if action == "invalid":
-                raise ValueError(request["error"])
-            done = self.join_learner(learner) if action == "join" else self.leave_learner(learner)
-            if not done:
-                raise ValueError("running already" if action == "join" else "not running")
-        except ValueError as error:
-            event = {**event, "event": "scale_refused", "reason": str(error)}
-        self.log(event)
