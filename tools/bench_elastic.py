@@ -55,37 +55,47 @@ def _ledger(s: dict[str, Any]) -> str:
 
 
 def membership_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
-    """Fixed 4 vs 4 -> 6 -> 3 at the same token budget."""
-    common = {
-        "num_learners": 4, "train_steps": args.steps, "eval.every": 0, "log_every": 100,
-        "decoupled.max_learners": 6, "seed": args.seed,
-    }  # fmt: skip
-    fixed = run(root / "fixed4", CONFIG, common)
+    """Fixed 4 vs 4 -> 6 -> 3 at the same token budget, for each seed."""
+    from decoupled_diloco import config as config_lib
+    from decoupled_diloco.local import runs
+
     schedule = _schedule(root / "elastic.yaml", args.join_at, args.leave_at)
-    elastic = run(root / "elastic", CONFIG, {**common, "chaos": schedule})
-    ratio = elastic["final_eval_loss"] / fixed["final_eval_loss"]
-    counts = {x["learner_id"]: x["steps"] for x in elastic["learners"]}
+    rows, ratios, notes = [], [], []
+    for seed in args.seeds:
+        common = {
+            "num_learners": 4, "train_steps": args.steps, "eval.every": 0, "log_every": 100,
+            "decoupled.max_learners": 6, "seed": seed,
+        }  # fmt: skip
+        tag = "" if seed == 0 else f"_seed{seed}"
+        fixed = run(root / f"fixed4{tag}", CONFIG, common)
+        elastic = run(root / f"elastic{tag}", CONFIG, {**common, "chaos": schedule})
+        ratios.append(elastic["final_eval_loss"] / fixed["final_eval_loss"])
+        for name, s in (("fixed 4", fixed), ("4 -> 6 -> 3", elastic)):
+            rows.append(
+                f"| {seed} | {name} | {s['wall_s']:.0f} | {s['goodput']:.3f} | {s['uptime']:.3f} "
+                f"| {s['tokens']:,} | {s['final_eval_loss']:.4f} | {_ledger(s)} |"
+            )
+        counts = {x["learner_id"]: x["steps"] for x in elastic["learners"]}
+        events = [f"{e['event']} {e['learner']}" for e in elastic.get("membership", [])]
+        notes.append(f"seed {seed}: steps per learner {counts}; membership {', '.join(events)}")
+    shards = config_lib.lease_shards(runs.resolve(CONFIG, common))
     lines = [
         f"### 1. Membership 4 -> 6 -> 3 vs a fixed 4 (budget {4 * args.steps:,} batches)",
         "",
         f"tiny_lm_decoupled (its defaults), M=4 starting, {args.steps} steps' worth of batches "
-        f"per starting learner, data leases ({fixed['config']['decoupled']['data_shards']} "
-        f"shards). Learners 4 and 5 join at learner 0's step {args.join_at}; learners 0, 1, 2 "
-        f"leave (SIGTERM) each at its own step {args.leave_at}.",
+        f"per starting learner, {shards} data leases. Learners 4 and 5 join (fresh inner "
+        f"optimizer state) at learner 0's step {args.join_at}; learners 0, 1, 2 leave "
+        f"(SIGTERM) each at its own step {args.leave_at}.",
         "",
-        "| run | wall s | goodput | uptime | tokens | final eval loss | data ledger |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
-    for name, s in (("fixed 4", fixed), ("4 -> 6 -> 3", elastic)):
-        lines.append(
-            f"| {name} | {s['wall_s']:.0f} | {s['goodput']:.3f} | {s['uptime']:.3f} | "
-            f"{s['tokens']:,} | {s['final_eval_loss']:.4f} | {_ledger(s)} |"
-        )
-    events = [f"{e['event']} {e['learner']}" for e in elastic.get("membership", [])]
-    lines += [
+        "| seed | run | wall s | goodput | uptime | tokens | final eval loss | data ledger |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+        *rows,
         "",
-        f"Final eval loss ratio elastic / fixed: **{ratio:.4f}** (target ≤ 1.015). Steps per "
-        f"learner in the elastic run: {counts}. Membership log: {', '.join(events)}.",
+        "Final eval loss ratio elastic / fixed: "
+        + ", ".join(f"seed {s}: **{r:.4f}**" for s, r in zip(args.seeds, ratios, strict=True))
+        + f"; mean **{sum(ratios) / len(ratios):.4f}** (target ≤ 1.015).",
+        "",
+        *[f"- {n}" for n in notes],
         "",
     ]
     return lines
@@ -146,7 +156,11 @@ def main() -> None:
     parser.add_argument("--mtbf", type=float, default=60.0)
     parser.add_argument("--repair", type=float, default=10.0)
     parser.add_argument("--horizon", type=float, default=3600.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="MTBF: the schedule's and run's")
+    parser.add_argument(
+        "--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1],
+        help="membership: the seeds of the fixed/elastic pairs",
+    )  # fmt: skip
     args = parser.parse_args()
     root = pathlib.Path(args.workroot)
     started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
