@@ -22,7 +22,7 @@ from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.syncer.ledger import Ledger, split
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
-from tests.helpers import wait_until
+from tests.helpers import popen_logged, tail, wait_until
 from tests.test_recovery import TOKEN, Cluster, _run_config
 
 
@@ -243,6 +243,10 @@ def test_data_settings_are_checked_with_the_field_named():
         config_lib.validate(tiny_config(mode="decoupled", **{"decoupled.data_shards": -1}))
 
 
+def _text(path):
+    return path.read_text() if path.exists() else ""
+
+
 def _events(run):
     path = run / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
@@ -258,12 +262,11 @@ def test_the_launcher_grows_and_shrinks_a_run_by_schedule_and_by_the_status_comm
     schedule = tmp_path / "elastic.yaml"
     schedule.write_text(
         "seed: 0\nfaults:\n"
-        # Learners 0-2 slowed (~0.2-1 s a step) so that the budget outlasts the joiners' start.
-        "  - {at_s: 0, kind: slow, learner: 0, factor: 40}\n"
-        "  - {at_s: 0, kind: slow, learner: 1, factor: 40}\n"
-        "  - {at_s: 0, kind: slow, learner: 2, factor: 10}\n"
-        "  - {at_step: 4, kind: join, learner: 2}\n"
-        "  - {at_step: 12, kind: leave, learner: 0}\n"
+        # Learners 0-2 are slowed 1000x (seconds a step) until learner 3 steps, so that the
+        # budget outlasts the joiners' start however loaded the machine is.
+        + "".join(f"  - {{at_s: 0, kind: slow, learner: {i}, factor: 1000}}\n" for i in range(3))
+        + "  - {at_step: 1, kind: join, learner: 2}\n"
+        "  - {at_step: 3, kind: leave, learner: 0}\n"
     )
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -273,9 +276,9 @@ def test_the_launcher_grows_and_shrinks_a_run_by_schedule_and_by_the_status_comm
         "--config.train_steps=48", "--config.decoupled.data_shards=8",
         "--config.decoupled.max_learners=4",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments.train", *args],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    log = tmp_path / "launcher.log"
+    proc = popen_logged(
+        [sys.executable, "-m", "experiments.train", *args], log, cwd=ROOT, env=env,
         start_new_session=True,  # one process group: the cleanup reaches every child
     )  # fmt: skip
     try:
@@ -285,11 +288,16 @@ def test_the_launcher_grows_and_shrinks_a_run_by_schedule_and_by_the_status_comm
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert added.returncode == 0, added.stderr[-2000:]
-        out, _ = proc.communicate(timeout=300)
+        stepping = lambda: '"stepping"' in _text(run / "timeline" / "learner_3.jsonl")  # noqa: E731
+        wait_until(stepping, 240, "learner 3 stepping")
+        for i in range(3):  # the end of the slow-down (the file the injector wrote)
+            faults.write_controls(run / "chaos", i, {})
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    out = tail(log, 4000)
     assert proc.returncode == 0, out[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     ledger = summary["data_ledger"]
@@ -302,7 +310,11 @@ def test_the_launcher_grows_and_shrinks_a_run_by_schedule_and_by_the_status_comm
     assert ("join", 3, "status") in changes, changes
     learners = {x["learner_id"]: x for x in summary["learners"]}
     assert sorted(learners) == [0, 1, 2, 3]
-    assert learners[0]["left"] and learners[0]["pushes"]["accepted"] > 0
+    # The leaver flushed what it trained: answered (merged, or refused as late: 1000x slower
+    # than learner 3, its pushes may be too stale) and nothing left unsent.
+    pushes = learners[0]["pushes"]
+    assert learners[0]["left"] and pushes["accepted"] + pushes["late"] > 0
+    assert learners[0]["pushes_unsent"] == 0 and not learners[0]["errors"]
     # The joiners trained to the end: none was ended with the thread that started it.
     assert not learners[2]["left"] and not learners[3]["left"]
     assert learners[3]["leases_trained"] and learners[3]["pushes"]["accepted"] > 0
