@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import pathlib
 import struct
+import threading
 import time
 from typing import Any
 
@@ -92,10 +93,19 @@ class TensorBoardWriter:
         for writer in self._writers.values():
             writer.flush()
 
-    def close(self) -> None:
-        """Flushes and closes every run's event file."""
-        for writer in self._writers.values():
-            writer.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flushes and closes every run's event file, waiting at most `timeout_s` for each.
+
+        Bounded: a Ctrl+C that lands inside tensorboardX's queue can leave its writer thread
+        waiting for a stop signal that never arrives (seen on CI: the launcher's clean-up hung
+        there); the file then misses at most its last values, and the run still ends.
+        """
+        for run, writer in self._writers.items():
+            closer = threading.Thread(target=writer.close, name=f"tb-close-{run}", daemon=True)
+            closer.start()
+            closer.join(timeout_s)
+            if closer.is_alive():
+                print(f"[tb] {run}: event file not closed within {timeout_s:g} s", flush=True)
         self._writers.clear()
 
 
