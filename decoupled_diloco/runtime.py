@@ -1,4 +1,4 @@
-"""Process set-up that entry points call first: fake CPU devices, compile cache, parent death.
+"""Process set-up that entry points call first: devices, compile cache, parent death.
 
 Fake devices and collective timeouts, before JAX starts:
 
@@ -51,6 +51,29 @@ def configure_cpu_devices(num_devices: int) -> None:
         if flag not in flags:
             flags += f" {flag}={COLLECTIVE_TIMEOUT_S}"
     os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def share_accelerators() -> None:
+    """Lets several JAX processes of one host share its accelerators (before JAX starts).
+
+    JAX preallocates 75% of each GPU's memory in the first process that touches it; the local
+    launcher runs the learners, its global evaluator (and, on a one-GPU machine, every
+    learner) on the same devices, so the second process would run out of memory. Allocation
+    on demand instead (`XLA_PYTHON_CLIENT_PREALLOCATE=false`), unless the environment says
+    otherwise. A learner started by hand on a host of its own keeps JAX's default.
+    """
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def host_cpu_only() -> None:
+    """Keeps this process's JAX on the host CPU (the syncer: its arithmetic is host work).
+
+    A syncer on a GPU host would otherwise put its outer step on the first GPU and take 75% of
+    its memory from the learners there. Call before JAX's backends start.
+    """
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

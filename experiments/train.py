@@ -17,7 +17,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco.runtime import configure_cpu_devices, exit_within
+from decoupled_diloco.runtime import configure_cpu_devices, exit_within, share_accelerators
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/configs/tiny_lm.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
@@ -35,6 +35,7 @@ def main(argv: list[str]) -> None:
     except config_lib.ConfigError as error:
         raise app.UsageError(str(error)) from None
     configure_cpu_devices(config.num_learners * config.devices_per_learner)
+    share_accelerators()  # the launcher and its children on one host's GPUs
     from decoupled_diloco.chaos import faults
     from decoupled_diloco.local.supervisor import CHILD_ENV
     from decoupled_diloco.train import train_and_evaluate

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets; sparse figures are twice these).
@@ -124,7 +125,9 @@ def step_speed(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
     }
 
 
-def decoupled_run(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
+def decoupled_run(
+    size: str, batch_size: int, seq_len: int, steps: int, timeout_s: float = 300.0
+) -> dict:
     """A short decoupled run of 2 learners (`experiments.train`); its summary's numbers."""
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_"))
     flags = [
@@ -142,7 +145,9 @@ def decoupled_run(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
     if seq_len:
         flags.append(f"--config.model.seq_len={seq_len}")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "experiments.train", *flags], cwd=ROOT, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "experiments.train", *flags], cwd=ROOT, check=True, timeout=timeout_s
+    )
     summary = json.loads((workdir / "summary.json").read_text())
     keep = ("goodput", "stall_fraction_max", "final_train_loss", "final_eval_loss", "tokens")
     out = {k: summary[k] for k in keep if k in summary}
@@ -154,6 +159,70 @@ def decoupled_run(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
     return out
 
 
+def _versions() -> str:
+    """The versions this check ran with (the accelerator's image may differ from our pins)."""
+    import importlib.metadata as md
+
+    names = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grpcio", "protobuf")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            found.append(f"{name} -")
+    return ", ".join(found) + f", Python {sys.version.split()[0]}"
+
+
+def _attempt(part: str, fn, *args) -> tuple[dict | None, str]:
+    """Runs one part of the check: (its result, "") or (None, the error's last line)."""
+    t0 = time.perf_counter()
+    try:
+        out = fn(*args)
+        print(f"[device_check] {part}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        return out, ""
+    except Exception as error:  # noqa: BLE001 (a part that fails is a row of the table)
+        traceback.print_exc()
+        message = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        print(f"[device_check] {part}: failed after {time.perf_counter() - t0:.0f} s", flush=True)
+        return None, message
+
+
+def _section(command: str, device: str, rows: list, run, run_error: str, args) -> str:
+    """The markdown section: the command, the versions, each size's row, the decoupled run."""
+    lines = [
+        f"## Device check ({device})",
+        "",
+        f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}), bfloat16 "
+        "compute, float32 parameters and optimizer state, one device per learner. "
+        f"Versions: {_versions()}.",
+        "",
+        "| size | params | batch × seq | framework tokens/s | bare jit tokens/s | ratio | MFU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, r, error in rows:
+        if r is None:
+            lines.append(f"| {size} | failed: {error} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq_len']} | "
+            f"{r['framework_tokens_s']:.0f} | {r['bare_tokens_s']:.0f} | {r['ratio']:.3f} | "
+            f"{r['mfu']:.1%} |"
+        )
+    if args.run_steps:
+        head = (
+            f"Decoupled run, 2 learners of {args.sizes.split(',')[0]}, {args.run_steps} steps "
+            "(syncer on the host CPU): "
+        )
+        if run is not None:
+            body = ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in run.items()
+            )
+        else:
+            body = f"failed: {run_error}" if run_error else "not reached"
+        lines += ["", head + body]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="125m,1b")
@@ -163,45 +232,51 @@ def main() -> None:
     parser.add_argument(
         "--run_steps", type=int, default=40, help="of the decoupled run (0: no decoupled run)"
     )
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    sizes = args.sizes.split(",")
-    rows = [step_speed(s, args.batch_size, args.seq_len, args.steps) for s in sizes]
-    run = (
-        decoupled_run(sizes[0], args.batch_size, args.seq_len, args.run_steps)
-        if args.run_steps
-        else None
+    parser.add_argument("--run_timeout_s", type=float, default=300.0)
+    parser.add_argument(
+        "--out", default="", help="append the section here (rewritten as each part ends)"
     )
-    command = "python -m tools.device_check " + " ".join(sys.argv[1:])
-    lines = [
-        f"## Device check ({rows[0]['device']})",
-        "",
-        f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}), bfloat16 "
-        "compute, float32 parameters and optimizer state, one device per learner.",
-        "",
-        "| size | params | batch × seq | framework tokens/s | bare jit tokens/s | ratio | MFU |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq_len']} | "
-            f"{r['framework_tokens_s']:.0f} | {r['bare_tokens_s']:.0f} | {r['ratio']:.3f} | "
-            f"{r['mfu']:.1%} |"
+    args = parser.parse_args()
+    import jax
+
+    device = jax.devices()[0].device_kind
+    print(f"[device_check] devices {jax.devices()}; {_versions()}", flush=True)
+    command = (
+        f"python -m tools.device_check --sizes={args.sizes} --batch_size={args.batch_size} "
+        f"--steps={args.steps} --run_steps={args.run_steps}"
+        + (f" --seq_len={args.seq_len}" if args.seq_len else "")
+    )
+    path = pathlib.Path(args.out) if args.out else None
+    old = path.read_text() if path is not None and path.exists() else ""
+    rows: list = []
+    run, run_error = None, ""
+
+    def write() -> str:  # after every part: a check cut short keeps what it measured
+        section = _section(command, device, rows, run, run_error, args)
+        if path is not None:
+            path.write_text(old + ("\n" if old else "") + section)
+        return section
+
+    for size in args.sizes.split(","):
+        r, error = _attempt(
+            f"step {size}", step_speed, size, args.batch_size, args.seq_len, args.steps
         )
-    if run is not None:
-        lines += [
-            "",
-            f"Decoupled run, 2 learners of {sizes[0]}, {args.run_steps} steps (syncer on the "
-            "host CPU): " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                      for k, v in run.items()),
-        ]  # fmt: skip
-    lines.append("")
-    section = "\n".join(lines)
-    print(section)
-    if args.out:
-        path = pathlib.Path(args.out)
-        old = path.read_text() if path.exists() else ""
-        path.write_text(old + ("\n" if old else "") + section)
+        rows.append((size, r, error))
+        write()
+    if args.run_steps:
+        size = args.sizes.split(",")[0]
+        run, run_error = _attempt(
+            "decoupled run",
+            decoupled_run,
+            size,
+            args.batch_size,
+            args.seq_len,
+            args.run_steps,
+            args.run_timeout_s,
+        )
+    print(write())
+    if any(r is None for _, r, _ in rows) or (args.run_steps and run is None):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,13 @@ from decoupled_diloco.obs import monitor as monitor_lib
 def child_env(token: str) -> dict[str, str]:
     """A child's environment: the run token, without an inherited fake-device count.
 
-    Each learner then fakes exactly the devices its own mesh needs.
+    Each learner then fakes exactly the devices its own mesh needs; on accelerators the
+    children allocate memory on demand (`runtime.share_accelerators`), since they share a
+    host's devices.
     """
     env = dict(os.environ)
     env[wire.TOKEN_ENV] = token
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = flags.strip()
     if not env["XLA_FLAGS"]:

@@ -49,6 +49,7 @@ def main(argv: list[str]) -> None:
     values = flags.FLAGS
     if not values["verbosity"].present:  # Orbax logs every commit at INFO
         logging.set_verbosity(logging.WARNING)
+    runtime.host_cpu_only()  # no device code: never an accelerator's memory
     runtime.use_compile_cache()
     runtime.limit_malloc_arenas()  # before the gRPC threads: see its doc
     config = config_lib.from_config_dict(values.config)
