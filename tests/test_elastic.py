@@ -101,6 +101,57 @@ def test_pushes_must_name_leases_their_learner_was_handed_and_count_their_steps(
     assert "outside" in elastic.check_data(state, 0, 30, [[0, 0, 30]])
 
 
+def test_a_slow_learner_keeps_its_lease_and_data_handed_again_is_never_merged_twice():
+    from decoupled_diloco.syncer import elastic
+    from decoupled_diloco.syncer.records import Push
+    from decoupled_diloco.syncer.server import initial_fragments
+    from decoupled_diloco.syncer.state import SyncerState
+
+    config = tiny_config(
+        mode="decoupled",
+        train_steps=20,
+        **{"decoupled.data_shards": 4, "decoupled.fragments": 1, "decoupled.quorum": 2},
+    )
+    now = [0.0]
+    state = SyncerState(config, *initial_fragments(config), clock=lambda: now[0])
+    timeout = config.decoupled.syncer.learner_timeout_s
+    state.register(0, "1x1")
+    state.register(1, "1x1")
+    # Both spent longer than the timeout building and compiling before their first lease
+    # (seen on a GPU: 50 s): the first to ask is alive by asking, and keeps its lease.
+    now[0] = timeout + 10
+    assert elastic.lease(state, 0, False).lease == 0
+    now[0] += 1
+    assert elastic.lease(state, 1, False).lease == 1
+    # Learner 0 then goes silent past the timeout: its lease is handed to learner 1 ...
+    now[0] += timeout + 1
+    state.heartbeat(1, step=0, tokens=0, loss=0.0, state="training", versions=[0])
+    again = elastic.lease(state, 1, False)
+    assert (again.lease, again.begin) == (0, 0)
+    zeros = [np.zeros(s.shape, s.dtype) for s in state.fragments[0].specs]
+
+    def push(learner, round_, data):
+        steps = sum(e - b for _, b, e in data)
+        return state.push(Push(learner, 0, round_, 0, steps, steps * 8 * 32, zeros, data=data))
+
+    assert push(1, 0, [[0, 0, 3]]).accepted
+
+    # ... but learner 0 was only slow: its push of the same batches is refused, named, and
+    # the state is as it was; its batches nobody else holds are taken.
+    def held():
+        pending = sorted(state.fragments[0].pending)
+        return state.versions(), [list(r) for r in state.ledger.merged[0]], pending
+
+    before = held()
+    refused = push(0, 0, [[0, 1, 4]])
+    assert not refused.accepted and refused.reason.startswith("covered")
+    assert "[1, 3) of lease 0" in refused.reason
+    assert held() == before
+    assert push(0, 1, [[0, 4, 6]]).accepted
+    report = state.ledger.report(elastic.pending_ranges(state))
+    assert report["repeated"] == 0
+
+
 def _syncer(config, directory):
     return SyncerServer(
         config, host="127.0.0.1", port=0, token=TOKEN, checkpoint_dir=str(directory)

@@ -15,6 +15,7 @@ import pytest
 from decoupled_diloco.chaos import faults
 from decoupled_diloco.local import wan
 from decoupled_diloco.sim.bandwidth import PAPER_12B, Workload, scaled_bandwidth
+from tests.helpers import assert_budget_trained_once
 
 OK, WHY = wan.available()
 needs_lab = pytest.mark.skipif(not OK, reason=f"no kernel shaping here: {WHY}")
@@ -202,6 +203,7 @@ def test_a_decoupled_run_behind_the_kernel_limit_trains_and_leaves_nothing(
     result = train_and_evaluate(config, tmp_path, corpus=corpus)
     s = result.summary
     assert s["steps_done"] == 16 and s["outer_syncs"] > 0 and s["bytes_sent"] > 0
+    assert_budget_trained_once(s, learners=2)  # (learners train unequal shares of the leases)
     # The syncer was reached through the lab's links, not loopback.
     assert not (tmp_path / "syncer.address").read_text().startswith("127.")
     out = capsys.readouterr().out

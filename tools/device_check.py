@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="125m,1b")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=0, help="0: the config's")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (0: none)")
     parser.add_argument(
         "--run_steps", type=int, default=40, help="of the decoupled run (0: no decoupled run)"
     )
@@ -257,7 +257,7 @@ def main() -> None:
             path.write_text(old + ("\n" if old else "") + section)
         return section
 
-    for size in args.sizes.split(","):
+    for size in args.sizes.split(",") if args.steps else ():  # --steps=0: the run alone
         r, error = _attempt(
             f"step {size}", step_speed, size, args.batch_size, args.seq_len, args.steps
         )

@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 WHEELS=${WHEELS:-.whl}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  rm -rf /tmp/dd_site  # (what an earlier check left there would shadow the image)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/dd_site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/dd_site${PYTHONPATH:+:$PYTHONPATH}

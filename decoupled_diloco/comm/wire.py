@@ -25,6 +25,9 @@ from decoupled_diloco.core.fragments import TensorSpec
 
 TOKEN_HEADER = "x-dd-run-token"
 TOKEN_ENV = "DD_RUN_TOKEN"
+# PushReply.reason of a push refused because its fragment already holds some of its data (a
+# data lease handed to another learner meanwhile, `syncer.ledger`): its data was not lost.
+REASON_COVERED = "covered"
 # Control messages and chunks stay far below this; it bounds a single message (and so what a
 # peer can make the syncer buffer before its first chunk is checked): 4 chunks if larger.
 MAX_MESSAGE_BYTES = 8 << 20

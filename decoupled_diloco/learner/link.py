@@ -148,7 +148,7 @@ class DecoupledSync:
         self.blocked_s = self.sync_host_s = self.compress_s = 0.0
         self.errors: list[str] = []
         self.retries = 0  # this link's own retries of pushes and pulls (the client adds its)
-        self.pushes = {"accepted": 0, "late": 0, "duplicate": 0}
+        self.pushes = {"accepted": 0, "late": 0, "duplicate": 0, "covered": 0}
         self.round_log: list[dict[str, int]] = []  # bytes per push round (summary, metrics)
         # Per applied merge: the push it answers and the step it was applied after (the lag is
         # how many steps trained away from the merged value).
@@ -168,6 +168,10 @@ class DecoupledSync:
         """
         self.client.wait_ready(timeout_s)
         reply = self.client.register(self.id, self.task_fingerprint, self.mesh_name)
+        # Heartbeats from registration on: pulling the fragments, building the model and
+        # compiling can outlast `learner_timeout_s`, and a learner silent that long counts as
+        # gone (its data leases are handed to others).
+        self._start_heartbeats()
         if self.on_state is not None:
             self.on_state("waiting")  # for peers (fresh run), then the global fragments
         deadline = time.monotonic() + peers_s
@@ -203,9 +207,14 @@ class DecoupledSync:
         residual = self.encoder.residual_leaves() if self.config.compression.keep_unsent else None
         mesh_merge.warm_up(self.cut, leaves, residual, d.keep_overlap, d.alpha)
         runtime.trim_memory()  # what initialising the model and joining freed goes back now
-        self._beat = threading.Thread(target=self._heartbeats, daemon=True)
-        self._beat.start()
+        self._start_heartbeats()
         return params
+
+    def _start_heartbeats(self) -> None:
+        """Starts the heartbeat thread (once)."""
+        if self._beat is None:
+            self._beat = threading.Thread(target=self._heartbeats, daemon=True)
+            self._beat.start()
 
     def __enter__(self) -> DecoupledSync:
         """Connects and joins with the `params` given.

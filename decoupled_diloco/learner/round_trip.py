@@ -63,7 +63,9 @@ class Outgoing:
 class Trip:
     """How a round trip went: the push's outcome, the merge it brought back, the bytes moved."""
 
-    outcome: str  # "accepted", "late" or "duplicate" (the syncer's answer to the push)
+    # The syncer's answer to the push: "accepted", "late", "duplicate", or "covered" (its data
+    # is in the global model already: the lease was handed to another learner meanwhile).
+    outcome: str
     version: int = -1  # the merged version pulled (-1: none, e.g. for a final push)
     values: list[np.ndarray] = dataclasses.field(default_factory=list)
     sent: int = 0
@@ -131,7 +133,15 @@ def round_trip(
         reply = retry(send, stop=stop, on_retry=on_retry)
     if reply is None:
         return None
-    outcome = "duplicate" if reply.duplicate else "accepted" if reply.accepted else "late"
+    outcome = (
+        "duplicate"
+        if reply.duplicate
+        else "accepted"
+        if reply.accepted
+        else "covered"
+        if reply.reason.startswith(wire.REASON_COVERED)
+        else "late"
+    )
     trip = Trip(outcome, sent=client.last_bytes(), push_s=time.perf_counter() - t0)
     t0 = time.perf_counter()
     if job.final:

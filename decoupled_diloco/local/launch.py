@@ -110,6 +110,17 @@ def _shown(path: pathlib.Path) -> str:
         return str(path)
 
 
+def _steps_done(config: config_lib.ExperimentConfig, learners: list, ledger: dict | None) -> int:
+    """Steps per learner that the global model holds.
+
+    On data leases, the budget's batches that every fragment holds once, over `num_learners`
+    (learners train unequal shares); on static shards, the fewest any learner trained.
+    """
+    if ledger is None:
+        return min(x["steps"] for x in learners)
+    return ledger["consumed_once"] // config.data.batch_size // config.num_learners
+
+
 def run_decoupled(
     config: config_lib.ExperimentConfig,
     workdir: str | pathlib.Path | None,
@@ -267,7 +278,7 @@ def run_decoupled(
         "num_learners": config.num_learners,
         "inner_steps": config.inner_steps,
         "train_steps": config.train_steps,
-        "steps_done": min(x["steps"] for x in learners),
+        "steps_done": _steps_done(config, learners, status.get("data_ledger")),
         "tokens": sum(x["tokens"] for x in learners),
         "wall_s": time.perf_counter() - t_start,
         "train_wall_s": max(x["train_wall_s"] for x in learners),

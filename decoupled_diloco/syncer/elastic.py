@@ -28,6 +28,8 @@ def lease(state: Any, learner_id: int, flushed: bool) -> ledger_lib.Grant:
     with state.lock:
         if state.ledger is None:
             return ledger_lib.Grant("off")
+        if learner_id in state.learners:  # asking is a sign of life, as a heartbeat is
+            state.learners[learner_id].last_seen = state.clock()
         live = state.live_learners(state.clock())
         grant = state.ledger.grant(learner_id, live, flushed, pending_ranges(state))
         if grant.status == "granted":

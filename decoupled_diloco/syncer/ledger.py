@@ -139,6 +139,25 @@ class Ledger:
                 )
         return None
 
+    def held(
+        self, fragment: int, ranges: Sequence[Range], pending: Sequence[Range]
+    ) -> Range | None:
+        """The first of a push's `ranges` that `fragment` already holds (None: all new).
+
+        A push that trained on data its fragment holds, merged or in `pending` (the ranges of
+        the fragment's accepted pushes not merged yet), would put that data into the global
+        model twice: a lease handed to another learner while its first holder was slow, not
+        dead. Such a push is refused (`SyncerState.push`): nothing is ever repeated.
+        """
+        wanted: dict[int, list[tuple[int, int]]] = {}
+        for lease, begin, end in ranges:
+            wanted.setdefault(int(lease), []).append((int(begin), int(end)))
+        for lease, begin, end in (*self.merged[fragment], *pending):
+            for b, e in wanted.get(int(lease), ()):
+                if begin < e and b < end:
+                    return [int(lease), max(b, int(begin)), min(e, int(end))]
+        return None
+
     def coverage(self, pending: Sequence[Sequence[Range]]) -> np.ndarray:
         """(P, total batches) booleans: which batches each fragment's pushes hold.
 

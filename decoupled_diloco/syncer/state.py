@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from decoupled_diloco.comm import wire
 from decoupled_diloco.config import (
     ExperimentConfig,
     data_leases,
@@ -263,9 +264,18 @@ class SyncerState:
                 frag.duplicates += 1
                 return dataclasses.replace(self.seen[key], duplicate=True)
             staleness = frag.version - push.base_version
+            held = self._held(push)
             if staleness > self.config.decoupled.syncer.max_staleness:
                 frag.late += 1
                 result = PushResult(False, reason="late", version=frag.version)
+            elif held is not None:  # (its Δ is dropped; the learner goes on)
+                lease, begin, end = held
+                result = PushResult(
+                    False,
+                    reason=f"{wire.REASON_COVERED}: batches [{begin}, {end}) of lease {lease} "
+                    f"are in fragment {push.fragment} already (the lease was handed again)",
+                    version=frag.version,
+                )
             else:
                 previous = frag.pending.get(push.learner_id)
                 if previous is not None and previous.steps + push.steps > self.config.train_steps:
@@ -293,6 +303,14 @@ class SyncerState:
             self._maybe_close(push.fragment)
             self.lock.notify_all()
             return result
+
+    def _held(self, push: Push) -> list[int] | None:
+        """The first data range of `push` its fragment holds already (`Ledger.held`)."""
+        if self.ledger is None or not push.data:
+            return None
+        frag = self.fragments[push.fragment]
+        pending = [r for x in frag.pending.values() for r in x.data]
+        return self.ledger.held(push.fragment, push.data, pending)
 
     def _add(self, frag: FragmentState, push: Push) -> None:
         """Folds an accepted push into its fragment's open round (superseding its earlier one)."""
