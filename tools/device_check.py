@@ -40,15 +40,19 @@ SIZES = {
 
 
 def _config(size: str, batch_size: int, seq_len: int):
+    """The size's config in bfloat16; `size` may name an attention ("1b:xla", `model.attention`)."""
     import importlib.util
 
     from decoupled_diloco import config as c
 
+    size, _, attention = size.partition(":")
     spec = importlib.util.spec_from_file_location("size_config", ROOT / SIZES[size])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = c.from_config_dict(module.get_config())
     overrides = {"model.dtype": "bfloat16", "data.batch_size": batch_size}
+    if attention:
+        overrides["model.attention"] = attention
     if seq_len:
         overrides["model.seq_len"] = seq_len
     return c.replace(config, **overrides)
@@ -111,8 +115,11 @@ def step_speed(size: str, batch_size: int, seq_len: int, steps: int) -> dict:
     flops = model_flops_per_token(config, params)
     kind = device.device_kind
     peak = next((v for k, v in PEAK_BF16.items() if k in kind), 0.0)
+    from decoupled_diloco.models.transformer import attention_implementation
+
     return {
         "size": size,
+        "attention": attention_implementation(config.model.attention, config.model.dtype),
         "params": params,
         "device": kind,
         "batch": batch_size,
@@ -131,7 +138,7 @@ def decoupled_run(
     """A short decoupled run of 2 learners (`experiments.train`); its summary's numbers."""
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_"))
     flags = [
-        f"--config={SIZES[size]}",
+        f"--config={SIZES[size.partition(':')[0]]}",
         f"--workdir={workdir}",
         "--config.mode=decoupled",
         "--config.model.dtype=bfloat16",
@@ -144,6 +151,8 @@ def decoupled_run(
     ]
     if seq_len:
         flags.append(f"--config.model.seq_len={seq_len}")
+    if size.partition(":")[2]:
+        flags.append(f"--config.model.attention={size.partition(':')[2]}")
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "experiments.train", *flags], cwd=ROOT, check=True, timeout=timeout_s
@@ -196,21 +205,24 @@ def _section(command: str, device: str, rows: list, run, run_error: str, args) -
         "compute, float32 parameters and optimizer state, one device per learner. "
         f"Versions: {_versions()}.",
         "",
-        "| size | params | batch × seq | framework tokens/s | bare jit tokens/s | ratio | MFU |",
-        "|---|---|---|---|---|---|---|",
+        "| size | attention | params | batch × seq | framework tokens/s | bare jit tokens/s "
+        "| ratio | MFU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for size, r, error in rows:
         if r is None:
-            lines.append(f"| {size} | failed: {error} | | | | | |")
+            lines.append(f"| {size} | | failed: {error} | | | | | |")
             continue
         lines.append(
-            f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['batch']} × {r['seq_len']} | "
+            f"| {r['size'].partition(':')[0]} | {r['attention']} | {r['params'] / 1e6:.1f}M | "
+            f"{r['batch']} × {r['seq_len']} | "
             f"{r['framework_tokens_s']:.0f} | {r['bare_tokens_s']:.0f} | {r['ratio']:.3f} | "
             f"{r['mfu']:.1%} |"
         )
     if args.run_steps:
         head = (
-            f"Decoupled run, 2 learners of {args.sizes.split(',')[0]}, {args.run_steps} steps "
+            f"Decoupled run, 2 learners of {args.run_size or args.sizes.split(',')[0]}, "
+            f"{args.run_steps} steps "
             "(syncer on the host CPU): "
         )
         if run is not None:
@@ -232,6 +244,7 @@ def main() -> None:
     parser.add_argument(
         "--run_steps", type=int, default=40, help="of the decoupled run (0: no decoupled run)"
     )
+    parser.add_argument("--run_size", default="", help="of the decoupled run (default: the first)")
     parser.add_argument("--run_timeout_s", type=float, default=300.0)
     parser.add_argument(
         "--out", default="", help="append the section here (rewritten as each part ends)"
@@ -244,6 +257,7 @@ def main() -> None:
     command = (
         f"python -m tools.device_check --sizes={args.sizes} --batch_size={args.batch_size} "
         f"--steps={args.steps} --run_steps={args.run_steps}"
+        + (f" --run_size={args.run_size}" if args.run_size else "")
         + (f" --seq_len={args.seq_len}" if args.seq_len else "")
     )
     path = pathlib.Path(args.out) if args.out else None
@@ -264,7 +278,7 @@ def main() -> None:
         rows.append((size, r, error))
         write()
     if args.run_steps:
-        size = args.sizes.split(",")[0]
+        size = args.run_size or args.sizes.split(",")[0]
         run, run_error = _attempt(
             "decoupled run",
             decoupled_run,

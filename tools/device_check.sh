@@ -26,5 +26,6 @@ if [ -z "${DEVICE_CHECK_ON_CPU:-}" ] \
   "$PY" -m pip install --quiet -e '.[cuda]' || exit 1
 fi
 export PYTHONUNBUFFERED=1
-timeout "${DEVICE_CHECK_TIMEOUT_S:-480}" "$PY" -m tools.device_check --sizes=125m,1b \
-  --batch_size=16 --steps=10 --run_steps=40 --out=benchmarks/results/gpu.md "$@"
+# The 1B step with cuDNN's attention (model.attention "auto" on a GPU) and with XLA's.
+timeout "${DEVICE_CHECK_TIMEOUT_S:-480}" "$PY" -m tools.device_check --sizes=1b,1b:xla,125m \
+  --run_size=125m --batch_size=16 --steps=10 --run_steps=40 --out=benchmarks/results/gpu.md "$@"

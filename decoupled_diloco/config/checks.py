@@ -16,6 +16,7 @@ from decoupled_diloco.config.processes import (
     CompressionConfig,
 )
 from decoupled_diloco.config.schema import (
+    ATTENTION,
     DATASETS,
     DTYPES,
     INNER_OPTIMIZERS,
@@ -266,6 +267,11 @@ def _validate_model(m: ModelConfig) -> None:
         f"d_model {m.d_model} must split into {m.num_heads} heads of even size (rotary)",
     )
     _check(m.dtype in DTYPES, "model.dtype", f"unknown dtype {m.dtype!r}; expected one of {DTYPES}")
+    _check(
+        m.attention in ATTENTION,
+        "model.attention",
+        f"unknown implementation {m.attention!r}; expected one of {ATTENTION}",
+    )
 
 
 def _validate_model_kind(c: ExperimentConfig) -> None:

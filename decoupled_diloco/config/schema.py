@@ -20,6 +20,7 @@ from decoupled_diloco.config.processes import (
 MODES = ("dp", "diloco", "decoupled")
 MERGES = ("mean", "rda")
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "xla", "cudnn")  # model.attention
 MODEL_KINDS = ("transformer", "moe", "vit")
 INNER_OPTIMIZERS = ("adamw", "muon")
 # Datasets and their image side (pixels; 0: text). Images are square and single-channel.
@@ -45,6 +46,8 @@ class ModelConfig:
       rope_base: base frequency of the rotary position embeddings.
       dtype: compute dtype of the layers, "float32" or "bfloat16" (mixed precision: the
         parameters and the optimizer state stay float32, the loss is computed in float32).
+      attention: how `jax.nn.dot_product_attention` computes: "auto" (cuDNN's fused flash
+        attention on GPUs for a 16-bit `dtype`, else XLA's), "xla" or "cudnn".
       remat: recompute each transformer block's activations in the backward pass
         (`nnx.remat`): activation memory of one block instead of all, for ~1/3 more compute.
       kind: "transformer" (dense decoder LM), "moe" (decoder LM with routed expert MLPs, see
@@ -61,6 +64,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     rope_base: float = 10_000.0
     dtype: str = "float32"
+    attention: str = "auto"
     remat: bool = False
     kind: str = "transformer"
     patch_size: int = 2

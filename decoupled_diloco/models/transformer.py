@@ -41,12 +41,25 @@ def rotary(x_BTNH: jax.Array, base: float) -> jax.Array:
     return rotated.astype(x_BTNH.dtype)
 
 
+def attention_implementation(setting: str, dtype: str) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for `model.attention` on this backend.
+
+    "auto": cuDNN's fused flash attention on GPUs for 16-bit compute (jax's own default is
+    XLA's, which materialises the B·N·T² scores), XLA's elsewhere (CPU, TPU, float32).
+    """
+    if setting != "auto":
+        return setting
+    gpu = jax.default_backend() == "gpu"
+    return "cudnn" if gpu and jnp.dtype(dtype).itemsize == 2 else "xla"
+
+
 class Attention(nnx.Module):
     """Causal multi-head self-attention with rotary positions."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads, self.rope_base = cfg.num_heads, cfg.rope_base
+        self.implementation = attention_implementation(cfg.attention, cfg.dtype)
         # One kernel each, columns head by head: a `model` axis dividing the heads gives every
         # device whole heads (a fused QKV kernel would be cut across q, k and v).
         self.q, self.k, self.v = (
@@ -60,7 +73,9 @@ class Attention(nnx.Module):
         shape = (batch, tokens // batch, self.num_heads, d_model // self.num_heads)
         q_BTNH, k_BTNH, v_BTNH = (f(x_ND).reshape(shape) for f in (self.q, self.k, self.v))
         q_BTNH, k_BTNH = rotary(q_BTNH, self.rope_base), rotary(k_BTNH, self.rope_base)
-        o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+        o_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, k_BTNH, v_BTNH, is_causal=True, implementation=self.implementation
+        )
         return self.out(o_BTNH.reshape(tokens, d_model))
 
 

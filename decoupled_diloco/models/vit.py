@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from decoupled_diloco.config import ModelConfig
-from decoupled_diloco.models.transformer import Block, Params
+from decoupled_diloco.models.transformer import Block, Params, attention_implementation
 
 _INIT_STD = 0.02
 
@@ -47,6 +47,7 @@ class EncoderAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_heads
+        self.implementation = attention_implementation(cfg.attention, cfg.dtype)
         # Separate kernels, heads whole on each `model` shard (as `transformer.Attention`).
         self.q, self.k, self.v = (
             _linear(cfg.d_model, cfg.d_model, (None, "model"), dtype, rngs) for _ in range(3)
@@ -58,7 +59,9 @@ class EncoderAttention(nnx.Module):
         tokens, d_model = x_ND.shape
         shape = (batch, tokens // batch, self.num_heads, d_model // self.num_heads)
         q_BTNH, k_BTNH, v_BTNH = (f(x_ND).reshape(shape) for f in (self.q, self.k, self.v))
-        o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH)
+        o_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, k_BTNH, v_BTNH, implementation=self.implementation
+        )
         return self.out(o_BTNH.reshape(tokens, d_model))
 
 
