@@ -3,6 +3,7 @@
 import importlib.util
 import pathlib
 
+import jax
 import pytest
 
 from decoupled_diloco import config as config_lib
@@ -33,6 +34,7 @@ def _load_config_file(name):
         ({"model.num_heads": 3}, "config.model.num_heads"),
         ({"data.val_fraction": 0.0}, "config.data.val_fraction"),
         ({"model.dtype": "float8"}, "config.model.dtype"),
+        ({"model.attention": "flash"}, "config.model.attention"),
     ],
 )
 def test_bad_field_is_named(overrides, field):
@@ -93,3 +95,21 @@ def test_every_config_file_loads_and_names_its_command():
         text = path.read_text()
         assert "python -m experiments.train" in text.split('"""')[1], path
         config_lib.from_config_dict(_load_config_file(path.stem))
+
+
+def test_attention_auto_is_cudnn_only_for_16_bit_compute_on_gpus():
+    from decoupled_diloco.models.transformer import attention_implementation
+
+    assert jax.default_backend() == "cpu"
+    assert attention_implementation("auto", "bfloat16") == "xla"  # on a CPU
+    assert attention_implementation("auto", "float32") == "xla"
+    assert attention_implementation("cudnn", "bfloat16") == "cudnn"  # asked for: as asked
+
+
+def test_the_launchers_children_share_accelerators_and_the_environment_wins(monkeypatch):
+    from decoupled_diloco.local.commands import child_env
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    assert child_env("t")["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    assert child_env("t")["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"

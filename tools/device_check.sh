@@ -9,7 +9,7 @@
 # Where jax's GPU build is missing it runs `pip install -e '.[cuda]'`. A machine without a
 # package index can be handed wheels of the missing packages in $WHEELS (default .whl/, cp312
 # wheels for the image's Python): they are installed into /tmp/dd_site and put first on
-# PYTHONPATH for the check and every process it starts (docs/deploy.md, "GPU").
+# PYTHONPATH for the check and every process it starts (docs/deploy.md, "GPUs").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
