@@ -228,7 +228,9 @@ class SyncerService(pb_grpc.SyncerServicer):
             **counters,
         )
         return pb.HeartbeatReply(
-            versions=versions, fastest_step_time_s=self.state.fastest_step_time()
+            versions=versions,
+            fastest_step_time_s=self.state.fastest_step_time(),
+            budget_done=self.state.budget_done(),
         )
 
     def Lease(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
