@@ -17,7 +17,7 @@ def make_inner_optimizer(config: ExperimentConfig) -> optax.GradientTransformati
     tensors with AdamW at the same learning rate.
     """
     o = config.optim
-    warmup = min(o.warmup_steps, max(config.train_steps - 1, 0))
+    warmup = warmup_steps(config)
 
     def schedule(peak: float) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(
@@ -60,6 +60,11 @@ def _muon_dims(params: optax.Params) -> optax.Params:
         return optax.contrib.MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1,))
 
     return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def warmup_steps(config: ExperimentConfig) -> int:
+    """The warmup of `make_inner_optimizer`'s schedule, in steps."""
+    return min(config.optim.warmup_steps, max(config.train_steps - 1, 0))
 
 
 def schedule_step(opt_state: optax.OptState) -> int:

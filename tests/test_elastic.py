@@ -428,9 +428,14 @@ def test_a_late_learners_learning_rate_follows_the_run_and_never_goes_back():
     state = types.SimpleNamespace(opt_state=tx.init(params))
     state._replace = lambda **kw: types.SimpleNamespace(**{**vars(state), **kw})
     assert optim.schedule_step(state.opt_state) == 0
-    # A learner that joins when 40% of the budget is in the global model takes step 40 of the
-    # schedule; its Adam moments keep their own count (bias correction from a fresh start).
-    state, at = follow_budget(state, 0, 0.4, config)
+    # A learner that joins when 40% of the budget is in the global model warms up first (a
+    # fresh optimizer state), then takes step 40 of the schedule; its Adam moments keep their
+    # own count (bias correction from a fresh start).
+    warmup = optim.warmup_steps(config)
+    assert warmup == config.optim.warmup_steps > 0
+    same, at = follow_budget(state, warmup - 1, 0.4, config)
+    assert (optim.schedule_step(same.opt_state), at) == (0, warmup)
+    state, at = follow_budget(state, warmup, 0.4, config)
     assert (optim.schedule_step(state.opt_state), at) == (40, 41)
     adam = [x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(
         x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState)]  # fmt: skip

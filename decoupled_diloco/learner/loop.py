@@ -325,14 +325,16 @@ def follow_budget(state: Any, at: int, budget_done: float, config: ExperimentCon
     """The inner state with its learning-rate schedule at the run's progress, if ahead of it.
 
     On data leases learners train unequal shares, and one that joins late would otherwise
-    start its warmup and cosine decay afresh: its last pushes would come at a learning rate
-    the run passed long ago (measured: `benchmarks/results/elastic.md`). The schedule's step is
-    the larger of its own count and `budget_done` · `train_steps`; it never goes back.
+    run its cosine decay over `train_steps` of its own: its last pushes would come at a
+    learning rate the run passed long ago. Once past its own warmup (a fresh optimizer state
+    needs one: skipping it cost 4% of final loss, `benchmarks/results/elastic.md`), the
+    schedule's step is the larger of its own count and `budget_done` · `train_steps`; it
+    never goes back.
 
     Returns:
       (state, the schedule's step for the coming inner step, counted after it).
     """
     target = int(budget_done * config.train_steps)
-    if target > at:
+    if target > at >= optim.warmup_steps(config):
         state, at = state._replace(opt_state=optim.set_schedule(state.opt_state, target)), target
     return state, at + 1
