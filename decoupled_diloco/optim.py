@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 import optax
 
 from decoupled_diloco.config import ExperimentConfig
@@ -17,7 +16,7 @@ def make_inner_optimizer(config: ExperimentConfig) -> optax.GradientTransformati
     tensors with AdamW at the same learning rate.
     """
     o = config.optim
-    warmup = warmup_steps(config)
+    warmup = min(o.warmup_steps, max(config.train_steps - 1, 0))
 
     def schedule(peak: float) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(
@@ -60,39 +59,3 @@ def _muon_dims(params: optax.Params) -> optax.Params:
         return optax.contrib.MuonDimensionNumbers(reduction_axis=(0,), output_axis=(1,))
 
     return jax.tree_util.tree_map_with_path(dims, params)
-
-
-def warmup_steps(config: ExperimentConfig) -> int:
-    """The warmup of `make_inner_optimizer`'s schedule, in steps."""
-    return min(config.optim.warmup_steps, max(config.train_steps - 1, 0))
-
-
-def schedule_step(opt_state: optax.OptState) -> int:
-    """Where `opt_state`'s learning-rate schedules are (the largest count; 0 if none)."""
-    counts = [
-        int(x.count) for x in jax.tree.leaves(opt_state, is_leaf=_is_schedule) if _is_schedule(x)
-    ]
-    return max(counts, default=0)
-
-
-def set_schedule(opt_state: optax.OptState, step: int) -> optax.OptState:
-    """`opt_state` with every learning-rate schedule at `step`.
-
-    The schedules of optax's `scale_by_schedule` (AdamW's and Muon's learning rates here, and
-    any optimizer given a schedule) count their own steps; the moments and their bias
-    correction keep theirs. Used by a learner on data leases to follow the run's progress
-    through its budget (`learner.loop`). Counts stay on their devices, with their shardings.
-    """
-
-    def place(x: object) -> object:
-        if not _is_schedule(x):
-            return x
-        value = np.asarray(step, dtype=x.count.dtype)
-        sharding = getattr(x.count, "sharding", None)
-        return x._replace(count=jax.device_put(value, sharding) if sharding else value)
-
-    return jax.tree.map(place, opt_state, is_leaf=_is_schedule)
-
-
-def _is_schedule(x: object) -> bool:
-    return isinstance(x, optax.ScaleByScheduleState)

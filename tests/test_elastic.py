@@ -11,10 +11,8 @@ import os
 import signal
 import subprocess
 import sys
-import types
 
 import grpc
-import jax
 import numpy as np
 import pytest
 
@@ -414,32 +412,3 @@ def test_scale_requests_are_taken_once_in_order_and_bad_ones_are_named(tmp_path)
     assert taken[:2] == [{"action": "join", "learner": -1}, {"action": "leave", "learner": 1}]
     assert taken[2]["action"] == "invalid" and "grow" in taken[2]["error"]
     assert scaling.take(tmp_path) == []
-
-
-def test_a_late_learners_learning_rate_follows_the_run_and_never_goes_back():
-    import optax
-
-    from decoupled_diloco import optim
-    from decoupled_diloco.learner.loop import follow_budget
-
-    config = tiny_config(train_steps=100)
-    tx = optim.make_inner_optimizer(config)
-    params = {"w": np.ones((2, 2), np.float32)}
-    state = types.SimpleNamespace(opt_state=tx.init(params))
-    state._replace = lambda **kw: types.SimpleNamespace(**{**vars(state), **kw})
-    assert optim.schedule_step(state.opt_state) == 0
-    # A learner that joins when 40% of the budget is in the global model warms up first (a
-    # fresh optimizer state), then takes step 40 of the schedule; its Adam moments keep their
-    # own count (bias correction from a fresh start).
-    warmup = optim.warmup_steps(config)
-    assert warmup == config.optim.warmup_steps > 0
-    same, at = follow_budget(state, warmup - 1, 0.4, config)
-    assert (optim.schedule_step(same.opt_state), at) == (0, warmup)
-    state, at = follow_budget(state, warmup, 0.4, config)
-    assert (optim.schedule_step(state.opt_state), at) == (40, 41)
-    adam = [x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(
-        x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState)]  # fmt: skip
-    assert [int(x.count) for x in adam] == [0]
-    # The run's progress behind the learner's own count: the schedule is not moved back.
-    again, at = follow_budget(state, 50, 0.3, config)
-    assert at == 51 and optim.schedule_step(again.opt_state) == 40  # (untouched)

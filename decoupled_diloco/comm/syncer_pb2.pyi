@@ -77,14 +77,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., sync_rounds: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("versions", "fastest_step_time_s", "budget_done")
+    __slots__ = ("versions", "fastest_step_time_s")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FASTEST_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
-    BUDGET_DONE_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     fastest_step_time_s: float
-    budget_done: float
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., fastest_step_time_s: _Optional[float] = ..., budget_done: _Optional[float] = ...) -> None: ...
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., fastest_step_time_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

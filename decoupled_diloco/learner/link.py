@@ -119,8 +119,6 @@ class DecoupledSync:
         self.outbox = Outbox(num, d.syncer.max_unsent, f"learner {learner_id}")
         self.anchor: list[list[np.ndarray]] = [[] for _ in range(num)]
         self.versions = [0] * num
-        # Data leases: the share of the run's budget in the global model, as last heard.
-        self.budget_done = 0.0
         self.steps_since = [0] * num
         self.tokens_since = [0] * num
         self.rounds = [0] * num
@@ -541,6 +539,5 @@ class DecoupledSync:
                 sync_rounds=len(self.round_log),
             )
             self.schedule.fastest_step_s = reply.fastest_step_time_s
-            self.budget_done = max(self.budget_done, reply.budget_done)
         except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
             print(f"[learner {self.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)

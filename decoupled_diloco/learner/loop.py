@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from decoupled_diloco import optim, planning, runtime
+from decoupled_diloco import planning, runtime
 from decoupled_diloco.comm.faulty_link import DegradedLink
 from decoupled_diloco.comm.retry import retry
 from decoupled_diloco.comm.shards import syncer_client
@@ -98,10 +98,6 @@ class Learner:
 
     sync_class = DecoupledSync  # a multi-process island's replaces its device<->host hooks
     lease_ahead = True  # ask for the next lease in a thread (`leases.leased_batches`)
-    # On data leases, the built-in inner optimizer's learning rate follows the run's progress
-    # through its budget (`follow_budget`); a multi-process island's processes would each hear
-    # it at another time, so it keeps its own count.
-    follows_budget = True
 
     def _make_sync(self, client: Any, **extra: Any) -> DecoupledSync:
         """This learner's link (`extra`: more arguments of `sync_class`)."""
@@ -232,8 +228,6 @@ class Learner:
                 batches,
             )
         last_step = -1 if leased else c.train_steps  # with leases: when the budget is covered
-        follow = leased and self.follows_budget and self.island.task.inner_optimizer is None
-        schedule_at = optim.schedule_step(state.opt_state) if follow else 0
         t_start = time.perf_counter()
         for step, (batch, where) in enumerate(source, start=self.step + 1):
             if where is not None and where[0] not in self.leases_trained[-1:]:
@@ -247,8 +241,6 @@ class Learner:
             self.data_position += 1
             if self.checkpoints is not None and not leased:
                 self.checkpoints.drew(self.data_position)  # before the step: see the data rule
-            if follow:
-                state, schedule_at = follow_budget(state, schedule_at, self.sync.budget_done, c)
             state, loss = self.island.step(state, self._batch(batch))
             slowdown = max(self.slowdown, self.chaos.slowdown() if self.chaos else 1.0)
             if slowdown > 1 or first:
@@ -319,22 +311,3 @@ class Learner:
             "compress_fraction": s.compress_s / max(train_wall, 1e-9),
             **s.summary(),
         }
-
-
-def follow_budget(state: Any, at: int, budget_done: float, config: ExperimentConfig) -> tuple:
-    """The inner state with its learning-rate schedule at the run's progress, if ahead of it.
-
-    On data leases learners train unequal shares, and one that joins late would otherwise
-    run its cosine decay over `train_steps` of its own: its last pushes would come at a
-    learning rate the run passed long ago. Once past its own warmup (a fresh optimizer state
-    needs one: skipping it cost 4% of final loss, `benchmarks/results/elastic.md`), the
-    schedule's step is the larger of its own count and `budget_done` · `train_steps`; it
-    never goes back.
-
-    Returns:
-      (state, the schedule's step for the coming inner step, counted after it).
-    """
-    target = int(budget_done * config.train_steps)
-    if target > at >= optim.warmup_steps(config):
-        state, at = state._replace(opt_state=optim.set_schedule(state.opt_state, target)), target
-    return state, at + 1

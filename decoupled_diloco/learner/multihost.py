@@ -288,7 +288,6 @@ class MultihostLearner(Learner):
 
     sync_class = MultihostSync
     lease_ahead = False  # its processes ask together (a broadcast), at each lease's end
-    follows_budget = False  # each process hears the syncer's progress at its own time
 
     def _make_sync(self, client: Any, **extra: Any) -> MultihostSync:
         return super()._make_sync(client, group=self.group, **extra)

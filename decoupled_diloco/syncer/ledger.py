@@ -117,7 +117,6 @@ class Ledger:
         self.held_by: list[list[int]] = [[] for _ in range(n)]  # who was ever handed each
         # Per fragment: the ranges merged rounds of that fragment hold (in merge order).
         self.merged: list[list[list[int]]] = [[] for _ in range(num_fragments)]
-        self._merged_batches = [0] * num_fragments  # batches in `merged`, per fragment
 
     @property
     def num_shards(self) -> int:
@@ -222,16 +221,7 @@ class Ledger:
 
     def record_merge(self, fragment: int, ranges: Iterable[Range]) -> None:
         """A merge of `fragment` holds pushes that trained on `ranges`."""
-        ranges = [[int(x) for x in r] for r in ranges]
-        self.merged[fragment].extend(ranges)
-        self._merged_batches[fragment] += sum(end - begin for _, begin, end in ranges)
-
-    def progress(self) -> float:
-        """The share of the budget that every fragment's merges hold (0 to 1).
-
-        Exact while nothing is merged twice (a push holding merged data is refused).
-        """
-        return min(self._merged_batches, default=0) / max(sum(self.lengths), 1)
+        self.merged[fragment].extend([int(x) for x in r] for r in ranges)
 
     def report(self, pending: Sequence[Sequence[Range]] = ()) -> dict[str, Any]:
         """The data ledger in windows: consumed once, missing, repeated (`summary.json`).
@@ -314,4 +304,3 @@ class Ledger:
         self.grants = list(saved["grants"])
         self.held_by = [list(x) for x in saved["held_by"]]
         self.merged = [[list(r) for r in rs] for rs in saved["merged"]]
-        self._merged_batches = [sum(e - b for _, b, e in rs) for rs in self.merged]

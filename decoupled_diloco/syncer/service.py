@@ -228,9 +228,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             **counters,
         )
         return pb.HeartbeatReply(
-            versions=versions,
-            fastest_step_time_s=self.state.fastest_step_time(),
-            budget_done=self.state.budget_done(),
+            versions=versions, fastest_step_time_s=self.state.fastest_step_time()
         )
 
     def Lease(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102

@@ -163,11 +163,6 @@ class SyncerState:
             if info.state != "done" and now - info.last_seen <= timeout
         ]
 
-    def budget_done(self) -> float:
-        """Data leases: the share of the budget every fragment's merges hold (else 0)."""
-        with self.lock:
-            return 0.0 if self.ledger is None else self.ledger.progress()
-
     def fastest_step_time(self) -> float:
         """The shortest recent step time among live learners (0 when none reported yet).
 
