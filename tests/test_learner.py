@@ -304,3 +304,43 @@ def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arriv
             )
     finally:
         cluster.close()
+
+
+def test_steps_refused_as_covered_never_reach_a_later_push():
+    # Lease 0 was handed to learner 1 while learner 0, its first holder, was only slow: both
+    # trained its first batches. Learner 1's push of them is taken; learner 0's is refused as
+    # covered, and learner 0's next push holds only what it trained after the refusal.
+    config = _config(
+        inner_steps=4,
+        train_steps=20,
+        num_learners=3,
+        **{"decoupled.fragments": 1, "decoupled.quorum": 3, "decoupled.data_shards": 4},
+    )
+    cluster = _Cluster(config)
+    try:
+        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+        state = cluster.server.state
+        state.register(2, "1x1")  # a third learner that never pushes: no round closes
+        assert zero.sync.client.lease(0).lease == 0
+        state.ledger.take(0, 1)  # handed again, to learner 1
+        for i in range(4):
+            one.sync.step_done(_shift(params1, -0.25), 64, data=(0, i))
+        _wait(lambda: 1 in cluster.fragment(0).pending, "learner 1's push")
+        for i in range(4):
+            zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
+        _wait(lambda: zero.sync.pushes["covered"] == 1, "the refusal")
+        zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, 4))  # dropped: a hole
+        for i in range(5, 8):  # steps 6-8; the step at 8 pushes
+            zero.sync.step_done(_shift(params0, -0.75), 64, data=(0, i))
+        _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's next push")
+        pending = cluster.fragment(0).pending[0]
+        assert (pending.steps, pending.data) == (3, [[0, 5, 8]])
+        # Its outer gradient is the last steps' 0.25, not the 0.75 since the anchor.
+        for delta in state.pending_gradient(0, 0):
+            np.testing.assert_allclose(delta, 0.25, rtol=1e-5)
+        report = state.ledger.report(
+            [[r for x in cluster.fragment(0).pending.values() for r in x.data]]
+        )
+        assert report["repeated"] == 0
+    finally:
+        cluster.close()

@@ -178,7 +178,7 @@ def test_multihost_islands_train_to_the_end_and_losing_one_process_restarts_only
         assert len(leader["merge_digests"]) >= 2
         assert leader["merge_digests"] == other["merge_digests"]
         assert leader["versions"] == other["versions"] and min(leader["versions"]) >= 1
-        assert other["pushes"] == {"accepted": 0, "late": 0, "duplicate": 0}  # leader only
+        assert other["pushes"] == dict(accepted=0, late=0, duplicate=0, covered=0)  # (leader)
         assert other["pushes_unsent"] == other["pushes_dropped"] == 0 and not other["errors"]
         # One checkpoint per island, written by both processes together (each its shards).
         assert (tmp_path / "checkpoints" / f"learner_{i}" / str(leader["steps"])).is_dir()

@@ -20,7 +20,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     --target /tmp/dd_site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/dd_site${PYTHONPATH:+:$PYTHONPATH}
 fi
-# DEVICE_CHECK_ON_CPU=1: run on whatever jax has (the CPU test), installing nothing.
+# DEVICE_CHECK_ON_CPU=1: run on whatever jax has (a CPU machine), installing nothing.
 if [ -z "${DEVICE_CHECK_ON_CPU:-}" ] \
   && ! "$PY" -c "import jax; assert jax.default_backend() == 'gpu'" 2>/dev/null; then
   "$PY" -m pip install --quiet -e '.[cuda]' || exit 1

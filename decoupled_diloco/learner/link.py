@@ -10,7 +10,7 @@ A training loop (the built-in `Learner`, or a user's own) owns one. In a user's 
     # leaving the block: the final flush, then close
 
 The built-in `Learner` spells out what `with` does: `connect()` (register, take the global
-fragments), `join(params)` (start from them; heartbeats start), the same two calls per step,
+fragments; heartbeats start), `join(params)` (start from them), the same two calls per step,
 then `flush(params)` and `close()`.
 
 One fragment's round trip: when fragment p is due (staggered schedule, `core.fragments`),
@@ -130,6 +130,9 @@ class DecoupledSync:
         # θ after that position (`origin`, a host copy) instead of from its anchor.
         self.skip: dict[int, tuple[int, int]] = {}
         self.origin: list[list[np.ndarray] | None] = [None] * num
+        # Fragments whose last push the syncer refused as "covered" (its data is in the global
+        # model already): the next step drops what they trained since and counts from θ then.
+        self.covered: set[int] = set()
         # When each fragment is due (`learner.schedule`: staggered, every H or DyLU's H).
         self.schedule = Schedule(num, config.inner_steps, d.dynamic_local_updates)
         self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
@@ -315,6 +318,10 @@ class DecoupledSync:
         if loss is not None:
             self.loss = loss
         for p in range(len(self.cut)):
+            if p in self.covered:  # its refused steps (and this one) must not reach a push
+                self.covered.discard(p)
+                self._restart_count(params, p)
+                continue
             if data is not None and p in self.skip and self.skip[p][0] == data[0]:
                 if data[1] + 1 >= self.skip[p][1]:  # covered up to here: count from θ now
                     del self.skip[p]
@@ -333,6 +340,18 @@ class DecoupledSync:
         for p in self.schedule.due(self.step):
             if self.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
                 self._launch(params, p)
+
+    def _restart_count(self, params: Params, p: int) -> None:
+        """Fragment p's outer gradient counts from θ now; what it counted since is dropped.
+
+        After a push refused as "covered" the dropped steps' data is not in the global model
+        from this learner: the ledger sees a hole, which is handed again (lost compute, not
+        lost data). A push of p launched before the refusal came back is not recalled.
+        """
+        leaves = F.gather(self.treedef.flatten_up_to(params), self.cut[p])
+        self.origin[p] = self._to_host(leaves)
+        self.steps_since[p] = self.tokens_since[p] = 0
+        self.data_since[p] = []
 
     def lease_started(self, lease: int, begin: int, covered: list[int]) -> None:
         """A lease (handed again) starts at `begin`; fragment p's pushes hold it to covered[p].
@@ -496,6 +515,9 @@ class DecoupledSync:
         self.pushes[trip.outcome] += 1
         if self.on_trip is not None:
             self.on_trip(trip)
+        if trip.outcome == "covered":  # (its merge holds none of it: nothing to apply)
+            self._on_covered(p)
+            return
         if job.final:
             return
         self.round_log.append(
@@ -510,6 +532,10 @@ class DecoupledSync:
         if trip.version >= 0:
             due = self._due_at(job.pushed_at)
             self.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+
+    def _on_covered(self, p: int) -> None:
+        """A push of p was refused as covered: the next step restarts p's count."""
+        self.covered.add(p)
 
     def _due_at(self, pushed_at: int) -> int:
         """The step after which a merge answering a push made after `pushed_at` is applied."""

@@ -193,6 +193,13 @@ class MultihostSync(DecoupledSync):
         if self.group.is_leader:
             super()._heartbeat(state)
 
+    def _on_covered(self, p: int) -> None:
+        # Only the leader hears it, and restarting the count takes a collective that every
+        # process would have to make at the same step: not done. Such a push's steps can
+        # then reach the global model in the next push of p (a lease handed again while its
+        # island was slow, not dead; the ledger cannot see it).
+        del p
+
     def _take_ready(self) -> dict[int, Inbound]:
         """The leader's ready merges, agreed by every process (two broadcasts)."""
         ready = super()._take_ready() if self.group.is_leader else {}

@@ -247,6 +247,9 @@ class SyncerState:
     def push(self, push: Push) -> PushResult:
         """Handles one validated push under the idempotency and late-push rules (module doc).
 
+        A push whose data ranges its fragment already holds (merged or pending) is answered
+        not accepted, reason "covered" (`Ledger.held`): no data enters the global model twice.
+
         Raises:
           PushRefused: a push of an older incarnation of its learner, or one whose counters,
             added to the learner's pending push of the fragment, pass `train_steps`.
