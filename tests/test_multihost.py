@@ -175,7 +175,9 @@ def test_multihost_islands_train_to_the_end_and_losing_one_process_restarts_only
         assert (leader["process_id"], other["process_id"]) == (0, 1)
         assert leader["steps"] == other["steps"] > 0 and not leader["errors"]
         # The same merges at the same steps, and bit-identical parameters after each one.
-        assert len(leader["merge_digests"]) >= 2
+        # (On data leases island 0 may train most of the budget while island 1 restarts: the
+        # restarted incarnation's summary can hold few merges, even none.)
+        assert len(leader["merge_digests"]) >= (2 if i == 0 else 0)
         assert leader["merge_digests"] == other["merge_digests"]
         assert leader["versions"] == other["versions"] and min(leader["versions"]) >= 1
         assert other["pushes"] == dict(accepted=0, late=0, duplicate=0, covered=0)  # (leader)
