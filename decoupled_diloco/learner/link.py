@@ -19,7 +19,9 @@ worker thread computes Δ = anchor_p − θ_p (`core.outer.outer_gradient`), pus
 through outages, `outbox.Outbox`), waits for the merge that holds it and leaves the merged values
 in the inbox. `apply_arrivals` merges them into the live parameters (`core.outer.merge_back`) at
 the first step boundary at least τ (`overlap_steps`) steps after the push (or on arrival,
-`apply_on_arrival`); they become the new anchor. The loop never waits for the syncer.
+`apply_on_arrival`); they become the new anchor. The loop never waits for the syncer. (The
+push's two halves are functions of the link in `learner.push`; its heartbeats and summary are
+in `learner.progress`.)
 
 What arrives is host numpy; it is put onto the learner's own mesh, so learners with different
 mesh shapes share one syncer. A multi-process island (`multihost`) replaces the device<->host
@@ -28,7 +30,6 @@ hooks (`_to_host`, `_place`, `_take_ready`) by collectives.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,13 +40,13 @@ import jax
 import numpy as np
 
 from decoupled_diloco import runtime
-from decoupled_diloco.config import ExperimentConfig, overlap_steps
+from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.learner import mesh_merge
+from decoupled_diloco.learner import mesh_merge, progress, push
 from decoupled_diloco.learner.encoder import MeshEncoder
 from decoupled_diloco.learner.inbox import Inbox
 from decoupled_diloco.learner.outbox import Outbox
-from decoupled_diloco.learner.round_trip import Inbound, Outgoing, Trip, round_trip
+from decoupled_diloco.learner.round_trip import Inbound, Outgoing, Trip
 from decoupled_diloco.learner.schedule import Schedule
 
 Params = Any
@@ -143,7 +144,7 @@ class DecoupledSync:
         self.pool = futures.ThreadPoolExecutor(max_workers=num * (d.syncer.max_unsent + 1) + 1)
         self.jobs: list[futures.Future] = []
         self.stop = threading.Event()
-        self._beat: threading.Thread | None = None
+        self.heartbeats = progress.Heartbeats(self)  # started by `connect` (or `join`)
         # Progress, as heartbeats report it.
         self.step = self.tokens = 0
         self.loss: Any = float("nan")
@@ -174,7 +175,7 @@ class DecoupledSync:
         # Heartbeats from registration on: pulling the fragments, building the model and
         # compiling can outlast `learner_timeout_s`, and a learner silent that long counts as
         # gone (its data leases are handed to others).
-        self._start_heartbeats()
+        self.heartbeats.start()
         if self.on_state is not None:
             self.on_state("waiting")  # for peers (fresh run), then the global fragments
         deadline = time.monotonic() + peers_s
@@ -210,21 +211,15 @@ class DecoupledSync:
         residual = self.encoder.residual_leaves() if self.config.compression.keep_unsent else None
         mesh_merge.warm_up(self.cut, leaves, residual, d.keep_overlap, d.alpha)
         runtime.trim_memory()  # what initialising the model and joining freed goes back now
-        self._start_heartbeats()
+        self.heartbeats.start()
         return params
-
-    def _start_heartbeats(self) -> None:
-        """Starts the heartbeat thread (once)."""
-        if self._beat is None:
-            self._beat = threading.Thread(target=self._heartbeats, daemon=True)
-            self._beat.start()
 
     def __enter__(self) -> DecoupledSync:
         """Connects and joins with the `params` given.
 
         The first `apply_arrivals` returns them with the global values in place.
         """
-        if self._initial is not None or self._beat is not None:
+        if self._initial is not None or self.heartbeats.started:
             raise RuntimeError("DecoupledSync: already entered")
         if self._given is None:
             raise ValueError("DecoupledSync: `with` needs the params= argument")
@@ -387,8 +382,8 @@ class DecoupledSync:
     def close(self) -> None:
         """Stops the background work, tells the syncer this learner is done, closes the client."""
         self.stop.set()
-        if self._beat is not None:
-            self._beat.join()
+        if self.heartbeats.started:
+            self.heartbeats.join()
             self._heartbeat("done")
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
@@ -406,22 +401,8 @@ class DecoupledSync:
             self.encoder.residual = items["ef_residual"]
 
     def summary(self) -> dict[str, Any]:
-        """This link's counters for the learner's summary."""
-        return {
-            "versions": self.versions,
-            "pushes": self.pushes,
-            "pushes_folded": self.outbox.folded,
-            "pushes_dropped": self.outbox.dropped,
-            "pushes_unsent": self.outbox.unsent(),
-            "retries": self.client.retries_done + self.retries,
-            "errors": self.errors,
-            # Traffic of the data calls, headers included (the initial pulls too).
-            "bytes_sent": self.client.bytes_sent,
-            "bytes_received": self.client.bytes_received,
-            "compression": self.encoder.codec.scheme,
-            "rounds": self.round_log,
-            "applied": self.applied,
-        }
+        """This link's counters for the learner's summary (`progress.summary`)."""
+        return progress.summary(self)
 
     # Device <-> host (a multi-process island replaces these by collectives) ------------------
 
@@ -437,133 +418,25 @@ class DecoupledSync:
         """A host value onto this learner's devices."""
         return jax.device_put(value, sharding)
 
-    # One push --------------------------------------------------------------------------------
+    # One push (`learner.push`) ---------------------------------------------------------------
 
     def _launch(self, params: Params, p: int, final: bool = False) -> None:
         """Hands fragment p's push to a worker thread (its host copy or encoding made here)."""
-        leaves = F.gather(self.treedef.flatten_up_to(params), self.cut[p])
-        # Steps run ahead asynchronously: wait for them outside the timer, so that it measures
-        # the copy itself and not the compute it would otherwise absorb.
-        jax.block_until_ready(leaves)
-        t0 = time.perf_counter()
-        if not final:
-            self.last_push[p] = self.step
-        if self.config.decoupled.keep_overlap and not final:
-            # A device copy: the next step donates these buffers.
-            self.at_push[p] = mesh_merge.device_copy(leaves)
-        # Δ = reference − θ: from the anchor, or from θ where a lease handed again was covered.
-        reference = self.anchor[p] if self.origin[p] is None else self.origin[p]
-        if self.encoder.enabled:
-            local = self.encoder.encode(p, reference, leaves)
-            self.compress_s += time.perf_counter() - t0
-        else:
-            # A host copy now: the next step donates (invalidates) these device buffers.
-            local = self._to_host(leaves)
-        self.sync_host_s += time.perf_counter() - t0
-        # Undelivered older pushes of p may be folded into this one (`Outbox`).
-        ticket = self.outbox.add(
-            p,
-            self.versions[p],
-            self.steps_since[p],
-            self.tokens_since[p],
-            not self.encoder.enabled,
-            self.data_since[p],
-        )
-        job = Outgoing(
-            p, self.rounds[p], self.versions[p], self.anchor[p], local,
-            ticket.steps, ticket.tokens, final, self.step, ticket, origin=self.origin[p],
-        )  # fmt: skip
-        # The round moves on before the job starts: `_sync` checks it to know whether a newer
-        # push of p has taken over the wait for a merge.
-        self.rounds[p] += 1
-        self.jobs = [j for j in self.jobs if not j.done()] + [self.pool.submit(self._sync, job)]
-        self.steps_since[p] = self.tokens_since[p] = 0
-        self.data_since[p] = []
+        push.launch(self, params, p, final)
 
     def _retried(self) -> None:
         self.retries += 1
 
     def _sync(self, job: Outgoing) -> None:
-        """Background: one fragment's round trip (`round_trip`); its merge goes to the inbox.
-
-        The merged fragment is due at the step boundary after step `pushed_at` + τ, or at the
-        first boundary after it arrives if it comes later.
-        """
-        p = job.fragment
-        try:
-            trip = round_trip(
-                self.client,
-                self.id,
-                job,
-                self.cut[p],
-                self.encoder.codec,
-                self.stop,
-                # A newer push of p takes over the wait for a merge (one waiting pull each).
-                still_current=lambda: self.rounds[p] == job.round + 1,
-                wait_s=min(self.config.decoupled.syncer.rpc_timeout_s, 5.0),
-                outbox=self.outbox,
-                on_retry=self._retried,
-            )
-        except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
-            if self.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
-                return
-            self.errors.append(f"fragment {p} round {job.round}: {type(error).__name__}: {error}")
-            print(f"[learner {self.id}] sync error: {self.errors[-1]}", file=sys.stderr, flush=True)
-            return
-        if trip is None:  # folded into a newer push, dropped, or the learner is stopping
-            return
-        self.pushes[trip.outcome] += 1
-        if self.on_trip is not None:
-            self.on_trip(trip)
-        if trip.outcome == "covered":  # (its merge holds none of it: nothing to apply)
-            self._on_covered(p)
-            return
-        if job.final:
-            return
-        self.round_log.append(
-            dict(
-                fragment=p,
-                round=job.round,
-                step=job.pushed_at,
-                sent=trip.sent,
-                received=trip.received,
-            )
-        )
-        if trip.version >= 0:
-            due = self._due_at(job.pushed_at)
-            self.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+        """Background: one fragment's round trip (`push.sync`); its merge goes to the inbox."""
+        push.sync(self, job)
 
     def _on_covered(self, p: int) -> None:
         """A push of p was refused as covered: the next step restarts p's count."""
         self.covered.add(p)
 
-    def _due_at(self, pushed_at: int) -> int:
-        """The step after which a merge answering a push made after `pushed_at` is applied."""
-        d = self.config.decoupled
-        return pushed_at + (0 if d.apply_on_arrival else overlap_steps(self.config))
-
-    # Heartbeats ------------------------------------------------------------------------------
-
-    def _heartbeats(self) -> None:
-        while not self.stop.wait(self.config.decoupled.syncer.heartbeat_s):
-            self._heartbeat("training")
+    # Heartbeats (`learner.progress`; the thread is `self.heartbeats`) ------------------------
 
     def _heartbeat(self, state: str) -> None:
-        try:
-            reply = self.client.heartbeat(
-                learner_id=self.id,
-                step=self.step,
-                tokens=self.tokens,
-                loss=float(self.loss),
-                state=state,
-                versions=self.versions,
-                blocked_s=self.blocked_s,
-                step_time_s=self.schedule.step_time_s,
-                eval_loss=self.eval_loss,
-                bytes_sent=self.client.bytes_sent,
-                bytes_received=self.client.bytes_received,
-                sync_rounds=len(self.round_log),
-            )
-            self.schedule.fastest_step_s = reply.fastest_step_time_s
-        except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
-            print(f"[learner {self.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)
+        """Sends one heartbeat (`progress.Heartbeats.send`); `multihost`: its leader only."""
+        self.heartbeats.send(state)

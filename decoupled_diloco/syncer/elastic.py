@@ -1,9 +1,11 @@
-"""The syncer's side of elastic membership: data leases and the log of who joined and left.
+"""The syncer's side of elastic membership: learners, data leases, who joined and left.
 
-Functions of a `SyncerState` (its `ledger`, `learners`, `membership`), called under its lock
-or taking it: `lease` hands a learner a lease (`syncer.ledger`), `check_data` admits a push's
-data ranges, `log_membership` / `check_membership` record joins, restarts, leaves (a learner
-that said done) and losses (silent past `learner_timeout_s`).
+Functions of a `SyncerState` (its `learners`, `ledger`, `membership`), called under its lock
+or taking it: `register` and `heartbeat` record a learner's (re)registration and progress
+(the state's methods of those names call them), `live_learners` and `fastest_step_time` read
+them; `lease` hands a learner a lease (`syncer.ledger`), `check_data` admits a push's data
+ranges, `log_membership` / `check_membership` record joins, restarts, leaves (a learner that
+said done) and losses (silent past `learner_timeout_s`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,70 @@ import time
 from typing import Any
 
 from decoupled_diloco.syncer import ledger as ledger_lib
+from decoupled_diloco.syncer.records import LearnerInfo
 
 # Data ranges one push may carry (leases its outer gradient spans; each lease is one range).
 MAX_DATA_RANGES = 256
 MEMBERSHIP_KEPT = 1000  # membership changes kept in memory (the status and snapshot: 200)
+
+
+def live_learners(state: Any, now: float) -> list[int]:
+    """Learners still training whose last message is within `learner_timeout_s`."""
+    timeout = state.config.decoupled.syncer.learner_timeout_s
+    return [
+        i
+        for i, info in state.learners.items()
+        if info.state != "done" and now - info.last_seen <= timeout
+    ]
+
+
+def fastest_step_time(state: Any) -> float:
+    """The shortest recent step time among live learners (0 when none reported yet).
+
+    Each learner's is the larger of what it claims and half the pace the syncer saw in its
+    heartbeats (`LearnerInfo.dylu_step_time`): a learner that claims tiny steps cannot
+    shrink every other learner's H (DyLU) more than twofold below what it really does.
+    """
+    with state.lock:
+        live = state.live_learners(state.clock())
+        times = [state.learners[i].dylu_step_time() for i in live]
+        return min((t for t in times if t > 0), default=0.0)
+
+
+def register(state: Any, learner_id: int, mesh: str) -> tuple[list[int], int]:
+    """Registers (or re-registers) a learner; returns the fragment versions, its incarnation."""
+    with state.lock:
+        info = state.learners.setdefault(learner_id, LearnerInfo())
+        info.mesh, info.state, info.last_seen = mesh, "training", state.clock()
+        info.pace_from, info.seen_step_s = None, 0.0  # a restart's pace starts again
+        info.incarnation += 1
+        # A (re)registration is a new incarnation that numbers its rounds from 0 again:
+        # forget the old one's idempotency keys, or its first pushes would look like retries.
+        state.seen = {k: v for k, v in state.seen.items() if k[0] != learner_id}
+        if state.ledger is not None:  # the old incarnation's leases are handed again
+            state.ledger.release(learner_id)
+        log_membership(state, "joined" if info.incarnation == 0 else "restarted", learner_id)
+        state._changed("register", learner_id)  # a restart must not resurrect old keys
+        return state.versions(), info.incarnation
+
+
+def heartbeat(state: Any, learner_id: int, /, **fields: Any) -> list[int]:
+    """Records a learner's progress; returns the fragment versions.
+
+    `state` and `learner_id` are positional only: `fields` holds the learner's own `state`.
+    """
+    with state.lock:
+        info = state.learners.setdefault(learner_id, LearnerInfo())
+        for name, value in fields.items():
+            setattr(info, name, value)
+        info.last_seen = state.clock()
+        if learner_id not in state._live and info.state == "training":
+            log_membership(state, "back", learner_id)  # silent past the timeout, then heard
+        info.observe_pace(info.last_seen)
+        if info.step_time_s > 0:
+            state.ema_step.update(info.dylu_step_time())
+        state.lock.notify_all()  # a learner that finished may complete a quorum
+        return state.versions()
 
 
 def pending_ranges(state: Any) -> list[list[list[int]]]:

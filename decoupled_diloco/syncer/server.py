@@ -27,8 +27,9 @@ from decoupled_diloco.comm import wire
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.syncer.guard import control_slots, data_slots
+from decoupled_diloco.syncer.handlers import add_service
 from decoupled_diloco.syncer.payloads import PushStore
-from decoupled_diloco.syncer.service import SyncerService, add_service
+from decoupled_diloco.syncer.service import SyncerService
 from decoupled_diloco.syncer.state import SyncerState
 
 

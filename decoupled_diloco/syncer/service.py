@@ -7,7 +7,8 @@ as its learner (PERMISSION_DENIED). Register checks the model fingerprint; pushe
 order against the header, checksum, size limit, counters, finite values, outer-gradient norm:
 `syncer.admission`) before anything touches the state, and a bad one is refused with
 INVALID_ARGUMENT or RESOURCE_EXHAUSTED and a message. Data calls are admitted by
-`syncer.guard` (slots, streams per learner, bytes in flight, idle cuts).
+`syncer.guard` (slots, streams per learner, bytes in flight, idle cuts). How the handlers are
+served, every request a raw stream read only after the secret is checked: `syncer.handlers`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from decoupled_diloco.core import compression
 from decoupled_diloco.syncer import admission, elastic, streams
 from decoupled_diloco.syncer.downlink import Downlink
 from decoupled_diloco.syncer.guard import Guard, control_slots, data_slots, streams_per_learner
+from decoupled_diloco.syncer.handlers import add_service as add_service  # re-exported
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import Push
 from decoupled_diloco.syncer.state import PushRefused, SyncerState
@@ -151,28 +153,6 @@ class SyncerService(pb_grpc.SyncerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"learner {learner_id}: register first",
             )
-
-    def _control_call(self, method: Any) -> Any:
-        """A unary call served as a stream: the secret is checked before the body is read.
-
-        gRPC would otherwise read a unary request's body on the worker thread before any
-        handler code runs, so that a caller without a secret could hold threads by never
-        sending it. The body is read under the control calls' guard (slots, idle cut).
-        """
-
-        def handler(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-            identity = self._authorize(context)
-            with self.control.call(identity, context, method.__name__) as activity:
-                try:
-                    raw = next(request_iterator, None)
-                except grpc.RpcError:
-                    if activity.idle_cut:  # cancelled: the client gets CANCELLED
-                        return b""
-                    raise
-                activity.hold()
-                return method(identity, raw, context)
-
-        return handler
 
     def Register(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
         request = self._parse(pb.RegisterRequest, raw, context)
@@ -451,33 +431,3 @@ class SyncerService(pb_grpc.SyncerServicer):
 def _ranges(h: pb.PushHeader) -> list[list[int]]:
     """A push header's data ranges, [lease, begin, end) each."""
     return [[r.lease, r.begin, r.end] for r in h.data]
-
-
-def _serialize(message: Any) -> bytes:
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def add_service(service: SyncerService, server: grpc.Server) -> None:
-    """Registers the handlers; the data calls take and give raw bytes (see `wire.data_chunk`).
-
-    Mirrors the generated `add_SyncerServicer_to_server`, except that every request arrives as
-    an unparsed stream (the handler checks the caller's secret from the metadata before it reads
-    a byte of the body; on the wire a unary request is the same) and Pull responses may be
-    pre-encoded bytes, which saves two copies per chunk.
-    """
-    handlers = {
-        name: grpc.stream_unary_rpc_method_handler(
-            service._control_call(getattr(service, name)), None, _serialize
-        )
-        for name in ("Register", "Heartbeat", "Status", "Lease")
-    }
-    handlers.update(
-        {
-            "Push": grpc.stream_unary_rpc_method_handler(service.Push, None, _serialize),
-            "Pull": grpc.stream_stream_rpc_method_handler(service.Pull, None, _serialize),
-        }
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("decoupled_diloco.Syncer", handlers),)
-    )
-    server.add_registered_method_handlers("decoupled_diloco.Syncer", handlers)

@@ -52,7 +52,7 @@ from decoupled_diloco.config import (
 )
 from decoupled_diloco.core import outer
 from decoupled_diloco.core.fragments import TensorSpec
-from decoupled_diloco.syncer import elastic, merge, view
+from decoupled_diloco.syncer import elastic, merge, view, visibility
 from decoupled_diloco.syncer import ledger as ledger_lib
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import (
@@ -152,95 +152,35 @@ class SyncerState:
         for p in sorted(self.owned):
             self.math[p].step.warm_up()
 
-    # Learners --------------------------------------------------------------------------------
+    # Learners (`syncer.elastic`) and commits (`syncer.visibility`) ---------------------------
 
     def live_learners(self, now: float) -> list[int]:
         """Learners still training whose last message is within `learner_timeout_s`."""
-        timeout = self.config.decoupled.syncer.learner_timeout_s
-        return [
-            i
-            for i, info in self.learners.items()
-            if info.state != "done" and now - info.last_seen <= timeout
-        ]
+        return elastic.live_learners(self, now)
 
     def fastest_step_time(self) -> float:
-        """The shortest recent step time among live learners (0 when none reported yet).
-
-        Each learner's is the larger of what it claims and half the pace the syncer saw in its
-        heartbeats (`LearnerInfo.dylu_step_time`): a learner that claims tiny steps cannot
-        shrink every other learner's H (DyLU) more than twofold below what it really does.
-        """
-        with self.lock:
-            live = self.live_learners(self.clock())
-            times = [self.learners[i].dylu_step_time() for i in live]
-            return min((t for t in times if t > 0), default=0.0)
+        """The shortest recent step time among live learners (`elastic.fastest_step_time`)."""
+        return elastic.fastest_step_time(self)
 
     def register(self, learner_id: int, mesh: str) -> tuple[list[int], int]:
         """Registers (or re-registers) a learner; returns the fragment versions, its incarnation."""
-        with self.lock:
-            info = self.learners.setdefault(learner_id, LearnerInfo())
-            info.mesh, info.state, info.last_seen = mesh, "training", self.clock()
-            info.pace_from, info.seen_step_s = None, 0.0  # a restart's pace starts again
-            info.incarnation += 1
-            # A (re)registration is a new incarnation that numbers its rounds from 0 again:
-            # forget the old one's idempotency keys, or its first pushes would look like retries.
-            self.seen = {k: v for k, v in self.seen.items() if k[0] != learner_id}
-            if self.ledger is not None:  # the old incarnation's leases are handed again
-                self.ledger.release(learner_id)
-            elastic.log_membership(
-                self, "joined" if info.incarnation == 0 else "restarted", learner_id
-            )
-            self._changed("register", learner_id)  # a restart must not resurrect old keys
-            return self.versions(), info.incarnation
+        return elastic.register(self, learner_id, mesh)
 
     def heartbeat(self, learner_id: int, **fields: Any) -> list[int]:
         """Records a learner's progress; returns the fragment versions."""
-        with self.lock:
-            info = self.learners.setdefault(learner_id, LearnerInfo())
-            for name, value in fields.items():
-                setattr(info, name, value)
-            info.last_seen = self.clock()
-            if learner_id not in self._live and info.state == "training":
-                elastic.log_membership(
-                    self, "back", learner_id
-                )  # silent past the timeout, then heard
-            info.observe_pace(info.last_seen)
-            if info.step_time_s > 0:
-                self.ema_step.update(info.dylu_step_time())
-            self.lock.notify_all()  # a learner that finished may complete a quorum
-            return self.versions()
+        return elastic.heartbeat(self, learner_id, **fields)
 
     def versions(self) -> list[int]:
         """Every fragment's published version (what learners may hold); call under the lock."""
         return [f.published for f in self.fragments]
 
     def publish(self, seq: int, versions: dict[int, tuple[int, list[np.ndarray]]]) -> None:
-        """Marks change `seq` durable and makes the given (version, values) visible.
-
-        Called by the committer once a checkpoint holding them is on disk; versions only move
-        forward.
-        """
-        with self.lock:
-            if self.wal_failed and seq >= self.wal_failed_seq:
-                return  # it holds a change the log does not
-            for p, (version, values) in versions.items():
-                frag = self.fragments[p]
-                if version > frag.published:
-                    frag.published, frag.published_values = version, values
-                    frag.closed_t = self.clock()  # visible now: ξ_sync counts from here
-            self.committed_seq = max(self.committed_seq, seq)
-            self.lock.notify_all()
+        """Marks change `seq` durable; makes the given (version, values) visible (`visibility`)."""
+        visibility.publish(self, seq, versions)
 
     def wait_committed(self, seq: int, timeout_s: float) -> bool:
         """Blocks until change `seq` is durable (at once when not `durable`); False on timeout."""
-        deadline = self.clock() + timeout_s
-        with self.lock:
-            while self.durable and self.committed_seq < seq:
-                left = deadline - self.clock()
-                if left <= 0 or (self.wal_failed and seq >= self.wal_failed_seq):
-                    return False
-                self.lock.wait(min(left, 0.05))
-            return True
+        return visibility.wait_committed(self, seq, timeout_s)
 
     # Pushes and rounds -----------------------------------------------------------------------
 
@@ -468,7 +408,7 @@ class SyncerState:
                     )
                 raise
 
-    # Pulls and status ------------------------------------------------------------------------
+    # Pulls (`syncer.visibility`) and status (`syncer.view`) ----------------------------------
 
     def wait_for(
         self,
@@ -479,33 +419,13 @@ class SyncerState:
     ) -> tuple[int, list[np.ndarray]]:
         """Blocks until fragment p reaches `min_version` (or the timeout); returns its value.
 
-        `alive` (the call still open) is checked while it waits: a caller that gave up does not
-        keep a thread.
+        `alive` (the call still open) is checked while it waits (`visibility.wait_for`).
         """
-        deadline = self.clock() + timeout_s
-        with self.lock:
-            frag = self.fragments[p]
-            while frag.published < min_version:
-                left = deadline - self.clock()
-                if left <= 0 or not alive():
-                    return -1, []
-                self.lock.wait(min(left, 0.05))
-                self._maybe_close(p)
-            return frag.published, frag.published_values
+        return visibility.wait_for(self, p, min_version, timeout_s, alive)
 
     def record_sync_time(self, p: int, version: int, learner_id: int) -> None:
-        """After a pull delivered `version`: time since its round closed (ξ_sync).
-
-        Counted once per learner whose push that merge holds: a learner that pulls a version
-        merged without it (catching up, or the evaluator) did not wait for it, and the time
-        since that close would inflate ξ_sync and shrink every later grace window to nothing.
-        """
-        with self.lock:
-            frag = self.fragments[p]
-            waiting = frag.awaiting_sync.get(version, set())
-            if frag.published == version and frag.closed_t is not None and learner_id in waiting:
-                waiting.discard(learner_id)
-                self.ema_sync.update(self.clock() - frag.closed_t)
+        """After a pull delivered `version`: time since its round closed (ξ_sync, `visibility`)."""
+        visibility.record_sync_time(self, p, version, learner_id)
 
     def status(self) -> dict[str, Any]:
         """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs."""

@@ -1,0 +1,125 @@
+"""One push of a link: functions of a `DecoupledSync`, on its step loop and its worker threads.
+
+`launch` runs on the step loop when fragment p is due (or at the final flush): it takes the
+fragment's host copy (or its encoding on the mesh, `learner.encoder`) before the next step
+donates the buffers, records the push in the outbox and hands it to a worker thread, which
+runs the link's `_sync` hook. `sync` is that hook's body: the round trip (`round_trip`) and
+what its outcome changes on the link (push counters, the round's bytes, a refusal as covered);
+the merged values go to the inbox, due at the step `due_at` says. The link's state stays on
+the link (`syncer.elastic` holds functions of a `SyncerState` the same way).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from decoupled_diloco.config import ExperimentConfig, overlap_steps
+from decoupled_diloco.core import fragments as F
+from decoupled_diloco.learner import mesh_merge
+from decoupled_diloco.learner.round_trip import Inbound, Outgoing, round_trip
+
+if TYPE_CHECKING:
+    from decoupled_diloco.learner.link import DecoupledSync
+
+
+def launch(link: DecoupledSync, params: Any, p: int, final: bool = False) -> None:
+    """Hands fragment p's push to a worker thread (its host copy or encoding made here)."""
+    leaves = F.gather(link.treedef.flatten_up_to(params), link.cut[p])
+    # Steps run ahead asynchronously: wait for them outside the timer, so that it measures
+    # the copy itself and not the compute it would otherwise absorb.
+    jax.block_until_ready(leaves)
+    t0 = time.perf_counter()
+    if not final:
+        link.last_push[p] = link.step
+    if link.config.decoupled.keep_overlap and not final:
+        # A device copy: the next step donates these buffers.
+        link.at_push[p] = mesh_merge.device_copy(leaves)
+    # Δ = reference − θ: from the anchor, or from θ where a lease handed again was covered.
+    reference = link.anchor[p] if link.origin[p] is None else link.origin[p]
+    if link.encoder.enabled:
+        local = link.encoder.encode(p, reference, leaves)
+        link.compress_s += time.perf_counter() - t0
+    else:
+        # A host copy now: the next step donates (invalidates) these device buffers.
+        local = link._to_host(leaves)
+    link.sync_host_s += time.perf_counter() - t0
+    # Undelivered older pushes of p may be folded into this one (`Outbox`).
+    ticket = link.outbox.add(
+        p,
+        link.versions[p],
+        link.steps_since[p],
+        link.tokens_since[p],
+        not link.encoder.enabled,
+        link.data_since[p],
+    )
+    job = Outgoing(
+        p, link.rounds[p], link.versions[p], link.anchor[p], local,
+        ticket.steps, ticket.tokens, final, link.step, ticket, origin=link.origin[p],
+    )  # fmt: skip
+    # The round moves on before the job starts: `sync` checks it to know whether a newer
+    # push of p has taken over the wait for a merge.
+    link.rounds[p] += 1
+    link.jobs = [j for j in link.jobs if not j.done()] + [link.pool.submit(link._sync, job)]
+    link.steps_since[p] = link.tokens_since[p] = 0
+    link.data_since[p] = []
+
+
+def sync(link: DecoupledSync, job: Outgoing) -> None:
+    """Background: one fragment's round trip (`round_trip`); its merge goes to the inbox.
+
+    The merged fragment is due at the step boundary after step `pushed_at` + τ, or at the
+    first boundary after it arrives if it comes later.
+    """
+    p = job.fragment
+    try:
+        trip = round_trip(
+            link.client,
+            link.id,
+            job,
+            link.cut[p],
+            link.encoder.codec,
+            link.stop,
+            # A newer push of p takes over the wait for a merge (one waiting pull each).
+            still_current=lambda: link.rounds[p] == job.round + 1,
+            wait_s=min(link.config.decoupled.syncer.rpc_timeout_s, 5.0),
+            outbox=link.outbox,
+            on_retry=link._retried,
+        )
+    except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
+        if link.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
+            return
+        link.errors.append(f"fragment {p} round {job.round}: {type(error).__name__}: {error}")
+        print(f"[learner {link.id}] sync error: {link.errors[-1]}", file=sys.stderr, flush=True)
+        return
+    if trip is None:  # folded into a newer push, dropped, or the learner is stopping
+        return
+    link.pushes[trip.outcome] += 1
+    if link.on_trip is not None:
+        link.on_trip(trip)
+    if trip.outcome == "covered":  # (its merge holds none of it: nothing to apply)
+        link._on_covered(p)
+        return
+    if job.final:
+        return
+    link.round_log.append(
+        dict(
+            fragment=p,
+            round=job.round,
+            step=job.pushed_at,
+            sent=trip.sent,
+            received=trip.received,
+        )
+    )
+    if trip.version >= 0:
+        due = due_at(link.config, job.pushed_at)
+        link.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+
+
+def due_at(config: ExperimentConfig, pushed_at: int) -> int:
+    """The step after which a merge answering a push made after `pushed_at` is applied."""
+    d = config.decoupled
+    return pushed_at + (0 if d.apply_on_arrival else overlap_steps(config))
