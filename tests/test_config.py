@@ -104,6 +104,7 @@ def test_attention_auto_is_cudnn_only_for_16_bit_compute_on_gpus():
     assert attention_implementation("auto", "bfloat16") == "xla"  # on a CPU
     assert attention_implementation("auto", "float32") == "xla"
     assert attention_implementation("cudnn", "bfloat16") == "cudnn"  # asked for: as asked
+    assert attention_implementation("xla", "bfloat16", head_dim=256) == "xla"
 
 
 def test_the_launchers_children_share_accelerators_and_the_environment_wins(monkeypatch):

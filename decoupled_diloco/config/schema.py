@@ -47,7 +47,8 @@ class ModelConfig:
       dtype: compute dtype of the layers, "float32" or "bfloat16" (mixed precision: the
         parameters and the optimizer state stay float32, the loss is computed in float32).
       attention: how `jax.nn.dot_product_attention` computes: "auto" (cuDNN's fused flash
-        attention on GPUs for a 16-bit `dtype`, else XLA's), "xla" or "cudnn".
+        attention on GPUs of compute capability >= 8.0 for a 16-bit `dtype` and heads of at
+        most 128, else XLA's), "xla" or "cudnn".
       remat: recompute each transformer block's activations in the backward pass
         (`nnx.remat`): activation memory of one block instead of all, for ~1/3 more compute.
       kind: "transformer" (dense decoder LM), "moe" (decoder LM with routed expert MLPs, see

@@ -41,16 +41,22 @@ def rotary(x_BTNH: jax.Array, base: float) -> jax.Array:
     return rotated.astype(x_BTNH.dtype)
 
 
-def attention_implementation(setting: str, dtype: str) -> str:
+def attention_implementation(setting: str, dtype: str, head_dim: int = 64) -> str:
     """`jax.nn.dot_product_attention`'s implementation for `model.attention` on this backend.
 
     "auto": cuDNN's fused flash attention on GPUs for 16-bit compute (jax's own default is
-    XLA's, which materialises the B·N·T² scores), XLA's elsewhere (CPU, TPU, float32).
+    XLA's, which materialises the B·N·T² scores) where cuDNN takes the shape (head size a
+    multiple of 8 up to 128) and the GPU (compute capability 8.0 or later); XLA's elsewhere
+    (CPU, TPU, float32, older GPUs).
     """
     if setting != "auto":
         return setting
-    gpu = jax.default_backend() == "gpu"
-    return "cudnn" if gpu and jnp.dtype(dtype).itemsize == 2 else "xla"
+    if jax.default_backend() != "gpu" or jnp.dtype(dtype).itemsize != 2:
+        return "xla"
+    capability = getattr(jax.devices()[0], "compute_capability", None)  # e.g. "9.0"
+    too_old = capability is not None and float(capability) < 8.0
+    fits = head_dim % 8 == 0 and head_dim <= 128
+    return "xla" if too_old or not fits else "cudnn"
 
 
 class Attention(nnx.Module):
@@ -59,7 +65,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads, self.rope_base = cfg.num_heads, cfg.rope_base
-        self.implementation = attention_implementation(cfg.attention, cfg.dtype)
+        head_dim = cfg.d_model // cfg.num_heads
+        self.implementation = attention_implementation(cfg.attention, cfg.dtype, head_dim)
         # One kernel each, columns head by head: a `model` axis dividing the heads gives every
         # device whole heads (a fused QKV kernel would be cut across q, k and v).
         self.q, self.k, self.v = (

@@ -47,7 +47,8 @@ class EncoderAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         self.num_heads = cfg.num_heads
-        self.implementation = attention_implementation(cfg.attention, cfg.dtype)
+        head_dim = cfg.d_model // cfg.num_heads
+        self.implementation = attention_implementation(cfg.attention, cfg.dtype, head_dim)
         # Separate kernels, heads whole on each `model` shard (as `transformer.Attention`).
         self.q, self.k, self.v = (
             _linear(cfg.d_model, cfg.d_model, (None, "model"), dtype, rngs) for _ in range(3)
