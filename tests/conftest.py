@@ -12,6 +12,9 @@ _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Tiny models: XLA's optimisation passes cost more than running the programs they optimise.
+# Children inherit it (tests hand them os.environ less XLA_FLAGS).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import pytest  # noqa: E402
 
