@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -12,22 +13,15 @@ def status(state: Any) -> dict[str, Any]:
     """Learners (progress, heartbeat age, staleness), fragments (versions, merges), EMAs.
 
     Args:
-      state: the `SyncerState`; read under its lock, bounded in size (heartbeats are checked).
+      state: the `SyncerState`; bounded in size (heartbeats are checked). Only shallow copies are
+        taken under its lock (a heartbeat replaces a learner's fields, never mutates them); the
+        learners' records are expanded after it is released.
     """
     with state.lock:
         now = state.clock()
         versions = state.versions()
-        learners = {}
-        for i, info in sorted(state.learners.items()):
-            entry = dataclasses.asdict(info)
-            entry["heartbeat_age_s"] = now - info.last_seen
-            entry["staleness"] = max(
-                (v - h for v, h in zip(versions, info.versions, strict=False)), default=0
-            )
-            entry.pop("last_seen")
-            learners[str(i)] = entry
-        return {
-            "learners": learners,
+        infos = [(i, copy.copy(info)) for i, info in sorted(state.learners.items())]
+        reply = {
             "live": state.live_learners(now),
             "fragments": [
                 {
@@ -58,3 +52,13 @@ def status(state: Any) -> dict[str, Any]:
             if state.ledger is None
             else state.ledger.report(elastic.pending_ranges(state)),
         }
+    learners = {}
+    for i, info in infos:
+        entry = dataclasses.asdict(info)
+        entry["heartbeat_age_s"] = now - info.last_seen
+        entry["staleness"] = max(
+            (v - h for v, h in zip(versions, info.versions, strict=False)), default=0
+        )
+        entry.pop("last_seen")
+        learners[str(i)] = entry
+    return {"learners": learners, **reply}
