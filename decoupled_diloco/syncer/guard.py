@@ -10,9 +10,9 @@ control calls (Register, Heartbeat, Status) time out behind them. `Guard` keeps:
   RESOURCE_EXHAUSTED;
 - **streams per caller**: at most `per_caller` data calls per identity (`comm.auth`);
 - **bytes in flight**: pushes reserve the payload size their header declares before a byte of
-  it is buffered; past `max_bytes` in total a push waits for room (its sender is held back by
-  gRPC's flow control meanwhile), and is refused (RESOURCE_EXHAUSTED) if none frees within
-  the idle bound;
+  it is buffered; past `max_bytes` in total a push is refused at once (RESOURCE_EXHAUSTED,
+  retryable): a push that waited for room would not hold its sender back, gRPC would go on
+  receiving its chunks into memory;
 - **idle cuts**: a push that sends no chunk for `idle_s` seconds is cancelled; a pull's own
   bounded wait for a merge is not idleness;
 - **pull budgets**: a pull's reply may take `idle_s` plus its bytes at `min_pull_rate` bytes
@@ -88,30 +88,24 @@ class Activity:
         self.until = g.clock() + g.idle_s + nbytes / g.min_pull_rate
 
     def reserve(self, nbytes: int) -> None:
-        """Reserves `nbytes` of push buffer, waiting up to the idle bound for room.
+        """Reserves `nbytes` of push buffer, or aborts RESOURCE_EXHAUSTED at once.
 
-        Aborts RESOURCE_EXHAUSTED if there is none by then (or never can be: `nbytes` alone
-        exceeds the bound).
+        A push does not wait for room: while its handler waited, gRPC would go on receiving the
+        stream's chunks into its own buffers (measured: 40 concurrent pushes of 4.2 MiB against
+        a 16 MiB bound held +117 MB of syncer memory when they waited, +1 MB when refused; see
+        benchmarks/results/security.md). The refusal is retryable if `nbytes` fits the bound.
         """
         g = self.guard
-        deadline = g.clock() + g.idle_s
         with g.lock:
-            while True:
-                if g.bytes_in_flight + nbytes <= g.max_bytes:
-                    g.bytes_in_flight += nbytes
-                    g.peak_bytes = max(g.peak_bytes, g.bytes_in_flight)
-                    self.reserved += nbytes
-                    return
-                left = deadline - g.clock()
-                if nbytes > g.max_bytes or left <= 0 or not self.context.is_active():
-                    break
-                g.waiting += 1
-                g.lock.wait(min(left, 1.0))  # a finished call notifies
-                g.waiting -= 1
+            if g.bytes_in_flight + nbytes <= g.max_bytes:
+                g.bytes_in_flight += nbytes
+                g.peak_bytes = max(g.peak_bytes, g.bytes_in_flight)
+                self.reserved += nbytes
+                return
             g.refused += 1
             busy = g.bytes_in_flight
         logging.log_every_n_seconds(
-            logging.WARNING, "[syncer] push of %d bytes waits: %d in flight", 5.0, nbytes, busy
+            logging.WARNING, "[syncer] push of %d bytes refused: %d in flight", 5.0, nbytes, busy
         )
         if nbytes <= g.max_bytes:  # it fits once others finish: worth retrying
             self.context.set_trailing_metadata(((RETRY_TRAILER, "1"),))
@@ -155,11 +149,11 @@ class Guard:
             idle_s,
         )
         self.clock = clock
-        self.lock = threading.Condition()
+        self.lock = threading.Lock()
         self.active: set[Activity] = set()
         self.by_caller: dict[int, int] = {}
         self.bytes_in_flight = self.peak_bytes = 0
-        self.refused = self.idle_cuts = self.waiting = 0
+        self.refused = self.idle_cuts = 0
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="guard", daemon=True)
         self._watcher.start()
@@ -201,8 +195,6 @@ class Guard:
                 if not self.by_caller[caller]:
                     del self.by_caller[caller]
                 self.bytes_in_flight -= activity.reserved
-                if activity.reserved:
-                    self.lock.notify_all()  # a push waiting for room may go on
 
     def _watch(self) -> None:
         period = max(min(self.idle_s / 4, 1.0), 0.01)

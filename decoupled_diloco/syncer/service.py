@@ -291,9 +291,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         # The bytes go to a file of the push store as they arrive (never a buffer of the
         # whole payload in memory), as many as the headers declared; they are read back and
         # decoded one tensor at a time.
-        activity.hold()  # waiting for room is the syncer's doing, not idleness
-        activity.reserve(expected)
-        activity.touch()
+        activity.reserve(expected)  # or refused at once: past the bound, no waiting for room
         try:
             file = self.state.store.create()
         except OSError as error:
