@@ -252,13 +252,17 @@ def test_islands_are_indexed_jobs_with_a_reachable_coordinator():
     assert sorted(learner_ids) == list(range(config.num_learners))
 
 
-def test_every_process_gets_the_token_and_its_tls_files():
+def test_every_process_gets_its_secret_and_its_tls_files():
+    """Syncers get the run token; a learner only its own credential (it acts only as itself)."""
     docs = _docs()
     for _, _, spec, container in _containers(docs):
         env = {e["name"]: e for e in container["env"]}
         ref = env["DD_RUN_TOKEN"]["valueFrom"]["secretKeyRef"]
-        assert ref["name"] == TOKEN_SECRET and ref["key"] == "token"
         flags = dict(_flags(container["args"]))
+        if _module(container) == "decoupled_diloco.syncer":
+            assert ref == {"name": TOKEN_SECRET, "key": "token"}
+        else:
+            assert ref == {"name": f"dd-learner-{flags['learner_id']}", "key": "credential"}
         wanted = {"config.decoupled.syncer.tls_cert": "tls.crt"}
         if _module(container) == "decoupled_diloco.syncer":
             wanted["config.decoupled.syncer.tls_key"] = "tls.key"
@@ -284,7 +288,9 @@ def _ssh_commands():
         check=True,
     )
     rows = [line.split("\t") for line in out.stdout.splitlines()]
-    return [(host, session, shlex.split(command)) for host, session, command in rows]
+    for _, session, secret, _ in rows:  # syncers read the run token; learners their credential
+        assert secret == ("~/.dd_run_token" if "syncer" in session else "~/.dd_learner_credential")
+    return [(host, session, shlex.split(command)) for host, session, _, command in rows]
 
 
 @pytest.mark.multiprocess
@@ -335,3 +341,48 @@ def test_learners_trust_the_certificate_without_the_syncers_key():
         config_lib.replace(base, **{"decoupled.syncer.tls_key": "/etc/dd-tls/tls.key"})
     with pytest.raises(ValueError, match="a TLS syncer needs its private key"):
         SyncerServer(learner, host="127.0.0.1", port=0, token="t")
+
+
+def test_ssh_launcher_gives_each_island_only_its_learners_credential(tmp_path):
+    """launch.sh for real, with `ssh` and `tmux` replaced by recorders that run on this machine.
+
+    Each host is a home folder of its own: the syncers' hosts read the run token there, each
+    island host receives its learner's credential (mode 600) and never the run token, and no
+    secret appears on any command line.
+    """
+    from decoupled_diloco.comm import auth
+
+    token = "0123456789abcdef0123456789abcdef"
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(
+        '#!/bin/bash\nhost=$1; shift\nmkdir -p "$HOSTS/$host"\n'
+        'printf "%s\\t%s\\n" "$host" "$*" >> "$LOG"\nHOME="$HOSTS/$host" bash -c "$*"\n'
+    )
+    (bin_dir / "tmux").write_text("#!/bin/bash\nexit 0\n")  # its command line is in the log
+    for tool in ("ssh", "tmux"):
+        (bin_dir / tool).chmod(0o755)
+    home = tmp_path / "operator"
+    home.mkdir()
+    (home / ".dd_run_token").write_text(token + "\n")
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(home),
+        "HOSTS": str(tmp_path / "hosts"),
+        "LOG": str(log),
+    }
+    subprocess.run(
+        ["bash", str(DEPLOY / "ssh" / "launch.sh"), str(DEPLOY / "ssh" / "cluster.env.example")],
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    islands = {"gpu-01": 0, "gpu-02": 0, "gpu-03": 1, "gpu-04": 1}  # cluster.env.example's
+    for host, learner_id in islands.items():
+        credential = tmp_path / "hosts" / host / ".dd_learner_credential"
+        assert credential.read_text().strip() == auth.learner_credential(token, learner_id)
+        assert credential.stat().st_mode & 0o777 == 0o600
+    assert not list((tmp_path / "hosts").glob("*/.dd_run_token"))  # nothing sent it anywhere
+    text = log.read_text()
+    assert token not in text and "learner-0-" not in text and "learner-1-" not in text
+    assert text.count("tmux new-session") == 6

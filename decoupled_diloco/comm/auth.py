@@ -57,7 +57,7 @@ def main() -> None:
     import os
     import sys
 
-    token = os.environ.get("DD_RUN_TOKEN", "")
+    token = os.environ.get("DD_RUN_TOKEN", "").strip()  # as `comm.wire.run_token` reads it
     if len(sys.argv) != 2 or not sys.argv[1].isdigit() or not token:
         sys.exit("usage: DD_RUN_TOKEN=... python -m decoupled_diloco.comm.auth LEARNER_ID")
     print(learner_credential(token, int(sys.argv[1])))

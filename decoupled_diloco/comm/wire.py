@@ -48,10 +48,13 @@ class PayloadError(ValueError):
 def run_token(config: SyncerConfig) -> str:
     """The run token: `config.token`, else the `DD_RUN_TOKEN` environment variable.
 
+    Surrounding whitespace is not part of it: a secret made with `openssl rand -hex 16 > FILE`
+    ends with a newline, which a Kubernetes secret made from the file keeps.
+
     Raises:
       ValueError: neither is set (every RPC must carry a token).
     """
-    token = config.token or os.environ.get(TOKEN_ENV, "")
+    token = (config.token or os.environ.get(TOKEN_ENV, "")).strip()
     if not token:
         raise ValueError(
             f"no run token: set config.decoupled.syncer.token or the {TOKEN_ENV} environment "

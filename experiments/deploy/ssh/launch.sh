@@ -6,8 +6,11 @@
 #   experiments/deploy/ssh/launch.sh cluster.env stop     # end every session of the run
 #
 # Sessions: dd-syncer-S on each syncer host, dd-island-I-K on each island host; attach with
-# `ssh HOST -t tmux attach -t NAME`. The run token is read on each host from TOKEN_FILE into
-# DD_RUN_TOKEN, so it never appears on a command line. See docs/deploy.md.
+# `ssh HOST -t tmux attach -t NAME`. Secrets never appear on a command line: a syncer reads the
+# run token from TOKEN_FILE on its host; an island's hosts never see the run token, only their
+# learner's credential (it can act only as that learner), which this script derives from the
+# run token here (TOKEN_FILE on this machine) and writes to CREDENTIAL_FILE on each of them
+# (mode 600) before starting them. Either is read into DD_RUN_TOKEN. See docs/deploy.md.
 set -euo pipefail
 
 env_file=${1:?usage: launch.sh CLUSTER_ENV [stop]}
@@ -15,31 +18,41 @@ action=${2:-start}
 # shellcheck source=/dev/null
 source "$env_file"
 
-run() {  # run HOST SESSION COMMAND
-  local host=$1 session=$2 command=$3
+run() {  # run HOST SESSION SECRET_FILE COMMAND
+  local host=$1 session=$2 secret=$3 command=$4
   if [[ $action == stop ]]; then
     remote="tmux kill-session -t $session 2>/dev/null || true"
   else
-    remote="tmux new-session -d -s $session $(printf %q "cd $REPO && DD_RUN_TOKEN=\$(cat $TOKEN_FILE) exec .venv/bin/python -m $command")"
+    remote="tmux new-session -d -s $session $(printf %q "cd $REPO && DD_RUN_TOKEN=\$(cat $secret) exec .venv/bin/python -m $command")"
   fi
   if [[ -n ${DRY_RUN:-} ]]; then
-    echo "$host	$session	$command"
+    echo "$host	$session	$secret	$command"
   else
     ssh "$host" "$remote"
   fi
 }
 
+give_credential() {  # give_credential HOST LEARNER_ID: its credential to CREDENTIAL_FILE there
+  local host=$1 id=$2 credential
+  [[ $action == stop || -n ${DRY_RUN:-} ]] && return 0
+  # comm/auth.py needs only the standard library: run as a file, it needs no installed package.
+  credential=$(DD_RUN_TOKEN=$(cat "${TOKEN_FILE/#\~/$HOME}") python3 "$root/decoupled_diloco/comm/auth.py" "$id")
+  printf '%s\n' "$credential" | ssh "$host" "umask 077 && cat > $CREDENTIAL_FILE"
+}
+
+root=$(cd "$(dirname "$0")/../../.." && pwd)
 read -r -a syncers <<<"$SYNCER_HOSTS"
 addresses=""
 for s in "${!syncers[@]}"; do
   addresses+="${addresses:+,}${syncers[$s]}:$SYNCER_PORT"
-  run "${syncers[$s]}" "dd-syncer-$s" "decoupled_diloco.syncer $CONFIG_ARGS $SYNCER_ARGS --host=0.0.0.0 --port=$SYNCER_PORT --shard=$s --checkpoint_dir=$WORKDIR/checkpoints/syncer_$s"
+  run "${syncers[$s]}" "dd-syncer-$s" "$TOKEN_FILE" "decoupled_diloco.syncer $CONFIG_ARGS $SYNCER_ARGS --host=0.0.0.0 --port=$SYNCER_PORT --shard=$s --checkpoint_dir=$WORKDIR/checkpoints/syncer_$s"
 done
 
 for i in "${!ISLANDS[@]}"; do
   read -r -a hosts <<<"${ISLANDS[$i]}"
   coordinator="${hosts[0]}:$COORDINATOR_PORT"
   for k in "${!hosts[@]}"; do
-    run "${hosts[$k]}" "dd-island-$i-$k" "decoupled_diloco.learner $CONFIG_ARGS --syncer=$addresses --learner_id=$i --coordinator=$coordinator --num_processes=${#hosts[@]} --process_id=$k --workdir=$WORKDIR"
+    give_credential "${hosts[$k]}" "$i"
+    run "${hosts[$k]}" "dd-island-$i-$k" "$CREDENTIAL_FILE" "decoupled_diloco.learner $CONFIG_ARGS --syncer=$addresses --learner_id=$i --coordinator=$coordinator --num_processes=${#hosts[@]} --process_id=$k --workdir=$WORKDIR"
   done
 done
