@@ -289,7 +289,10 @@ def _ssh_commands():
     )
     rows = [line.split("\t") for line in out.stdout.splitlines()]
     for _, session, secret, _ in rows:  # syncers read the run token; learners their credential
-        assert secret == ("~/.dd_run_token" if "syncer" in session else "~/.dd_learner_credential")
+        island = session.split("-")[2]  # dd-island-I-K
+        assert secret == (
+            "~/.dd_run_token" if "syncer" in session else f"~/.dd_learner_credential.{island}"
+        )
     return [(host, session, shlex.split(command)) for host, session, _, command in rows]
 
 
@@ -365,6 +368,10 @@ def test_ssh_launcher_gives_each_island_only_its_learners_credential(tmp_path):
     home = tmp_path / "operator"
     home.mkdir()
     (home / ".dd_run_token").write_text(token + "\n")
+    stale = tmp_path / "hosts" / "gpu-01" / ".dd_learner_credential.0"  # an older run's, 0644
+    stale.parent.mkdir(parents=True)
+    stale.write_text("old")
+    stale.chmod(0o644)
     env = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "HOME": str(home),
@@ -379,7 +386,7 @@ def test_ssh_launcher_gives_each_island_only_its_learners_credential(tmp_path):
     )
     islands = {"gpu-01": 0, "gpu-02": 0, "gpu-03": 1, "gpu-04": 1}  # cluster.env.example's
     for host, learner_id in islands.items():
-        credential = tmp_path / "hosts" / host / ".dd_learner_credential"
+        credential = tmp_path / "hosts" / host / f".dd_learner_credential.{learner_id}"
         assert credential.read_text().strip() == auth.learner_credential(token, learner_id)
         assert credential.stat().st_mode & 0o777 == 0o600
     assert not list((tmp_path / "hosts").glob("*/.dd_run_token"))  # nothing sent it anywhere

@@ -54,7 +54,7 @@ def run_token(config: SyncerConfig) -> str:
     Raises:
       ValueError: neither is set (every RPC must carry a token).
     """
-    token = (config.token or os.environ.get(TOKEN_ENV, "")).strip()
+    token = config.token.strip() or os.environ.get(TOKEN_ENV, "").strip()
     if not token:
         raise ValueError(
             f"no run token: set config.decoupled.syncer.token or the {TOKEN_ENV} environment "

@@ -148,8 +148,10 @@ def run_decoupled(
     # Timeline (goodput) and, under `config.chaos`, the fault schedule and its controls.
     config, chaos_env, schedule = chaos_run.prepare_run(config, workdir)
     token = (
-        config.decoupled.syncer.token or os.environ.get(wire.TOKEN_ENV, "")
-    ).strip() or secrets.token_hex(16)
+        config.decoupled.syncer.token.strip()
+        or os.environ.get(wire.TOKEN_ENV, "").strip()
+        or secrets.token_hex(16)
+    )
     # The token goes to the syncers through the environment, never through the config file
     # the learners read too: each learner gets only its own credential.
     config = config_lib.replace(config, **{"decoupled.syncer.token": ""})

@@ -92,8 +92,8 @@ class Activity:
 
         A push does not wait for room: while its handler waited, gRPC would go on receiving the
         stream's chunks into its own buffers (measured: 40 concurrent pushes of 4.2 MiB against
-        a 16 MiB bound held +117 MB of syncer memory when they waited, +1 MB when refused; see
-        benchmarks/results/security.md). The refusal is retryable if `nbytes` fits the bound.
+        a 16 MiB bound held +127 MB more syncer memory when they waited, +15 MB refused and
+        retried; `tools.bench_security`). The refusal is retryable if `nbytes` fits the bound.
         """
         g = self.guard
         with g.lock:
@@ -114,6 +114,13 @@ class Activity:
             f"push of {nbytes} bytes refused: {busy} bytes of pushes already in flight, bound "
             f"{g.max_bytes} (decoupled.syncer.max_inflight_bytes); retry later",
         )
+
+    def release(self) -> None:
+        """Gives back what `reserve` took (the push's bytes are all in its file now)."""
+        g = self.guard
+        with g.lock:
+            g.bytes_in_flight -= self.reserved
+            self.reserved = 0
 
 
 class Guard:

@@ -304,6 +304,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         except BaseException:
             file.abort()
             raise
+        # Received: its bytes are in the push store's file, no longer being received. The merge
+        # and the commit wait that follow must not turn other pushes away.
+        activity.release()
         try:
             result = self.state.push(push)
         except PushRefused as error:
