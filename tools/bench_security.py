@@ -410,16 +410,16 @@ def run(out: pathlib.Path) -> None:
         def learner_push(r, rnd, slow):
             retries, delay, deadline = 0, 0.05, time.monotonic() + 180
             while True:
-                base = a.status()["fragments"][0]["version"]
-                chunks = _chunks(pb, specs, 1e-3, learner=r % 2, rnd=rnd, inc=inc[r % 2], base=base)
+                try:  # 40 callers at once: the operator's control calls may be refused too
+                    base = a.status()["fragments"][0]["version"]
+                    chunks = _chunks(pb, specs, 1e-3, r % 2, rnd, inc=inc[r % 2], base=base)
 
-                def gen(chunks=chunks):
-                    for c in chunks:
-                        if slow:
-                            time.sleep(0.05)
-                        yield c
+                    def gen(chunks=chunks):
+                        for c in chunks:
+                            if slow:
+                                time.sleep(0.05)
+                            yield c
 
-                try:
                     reply = pb.PushReply.FromString(a.push(gen(), timeout=60))
                     return ("accepted" if reply.accepted else reply.reason or "refused"), retries
                 except grpc.RpcError as error:
