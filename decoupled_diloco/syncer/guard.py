@@ -135,6 +135,8 @@ class Guard:
       idle_s: a push stream idle this long is cancelled.
       min_pull_rate: the bytes per second a pull's reply must average (`budget`).
       clock: time source.
+      calls: what its refusals call the calls it admits.
+      per_caller_field: what its refusals name as the setting of `per_caller`.
     """
 
     def __init__(
@@ -146,7 +148,10 @@ class Guard:
         operator_calls: int = 0,
         min_pull_rate: float = 8192.0,
         clock: Any = time.monotonic,
+        calls: str = "data calls",
+        per_caller_field: str = "decoupled.syncer.max_streams_per_learner",
     ):
+        self.calls, self.per_caller_field = calls, per_caller_field
         self.operator_calls = operator_calls or per_caller
         self.min_pull_rate = min_pull_rate
         self.slots, self.per_caller, self.max_bytes, self.idle_s = (
@@ -172,16 +177,15 @@ class Guard:
         with self.lock:
             if len(self.active) >= self.slots:
                 message = (
-                    f"{kind} refused: {self.slots} data calls already in progress "
-                    "(the syncer's data slots are full); retry later"
+                    f"{kind} refused: {self.slots} {self.calls} already in progress "
+                    "(the syncer's slots for them are full); retry later"
                 )
             elif self.by_caller.get(caller, 0) >= (
                 self.operator_calls if caller == OPERATOR else self.per_caller
             ):
                 message = (
                     f"{kind} refused: caller {caller} (-1: the run token) already has "
-                    f"{self.by_caller[caller]} data calls open "
-                    "(decoupled.syncer.max_streams_per_learner)"
+                    f"{self.by_caller[caller]} {self.calls} open ({self.per_caller_field})"
                 )
             else:
                 message = ""

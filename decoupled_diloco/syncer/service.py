@@ -77,6 +77,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             operator_calls=8,
             max_bytes=0,
             idle_s=min(s.stream_idle_s, 10.0),
+            calls="control calls",
+            per_caller_field="2 per learner, 8 with the run token",
         )
         self.malformed = 0  # requests refused before they reached the state
         # For `syncer.metrics`: refusals by status code, payload bytes in (pushes) and out.
