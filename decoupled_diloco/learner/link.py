@@ -368,14 +368,14 @@ class DecoupledSync:
         `params`: the parameters now; default those of the last `step_done`.
 
         Returns:
-          Seconds spent waiting. Pushes still undelivered after 2 × `rpc_timeout_s` are
-          given up (`pushes_unsent` in the summary).
+          Seconds it took (the pushes' host copies or encodings, and the wait). Pushes still
+          undelivered after 2 × `rpc_timeout_s` are given up (`pushes_unsent` in the summary).
         """
         params = self._last if params is None else params
+        t0 = time.perf_counter()
         for p in range(len(self.cut)):
             if self.steps_since[p]:
                 self._launch(params, p, final=True)
-        t0 = time.perf_counter()
         futures.wait(self.jobs, timeout=2 * self.config.decoupled.syncer.rpc_timeout_s)
         return time.perf_counter() - t0
 

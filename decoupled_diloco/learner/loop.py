@@ -163,7 +163,7 @@ class Learner:
     def _idle(self) -> None:
         """No lease free yet: pushes everything trained so far, then waits for one."""
         self._mark("blocked", self.step)
-        self.sync.flush()
+        self.flush_since_step += self.sync.flush()
         self._mark("waiting", self.step)
 
     def _mark(self, state: str, step: int = -1) -> None:
@@ -204,6 +204,9 @@ class Learner:
         # Start (or rejoin) from the syncer's global values, pulled by `connect`.
         params = self.sync.join(state.params, self.step, self.tokens)
         state = state._replace(params=params)
+        # Flushing since the last step trained: at the end, the final flush (a leased learner
+        # that finds no lease left flushes before it asks again: that flush is final too).
+        self.flush_since_step = 0.0
         if leased:
             source = leases.leased_batches(
                 dataset,
@@ -252,6 +255,7 @@ class Learner:
                 print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
             self._compiled = True
             self.sync.step_done(state.params, tokens_per_step, loss, data=where)
+            self.flush_since_step = 0.0
             if self.checkpoints is not None and self.checkpoints.due(step, last_step):
                 # Dispatched steps finish first: their compute is stepping time, not saving.
                 loss.block_until_ready()
@@ -275,7 +279,7 @@ class Learner:
                 self.checkpoints.save(self, state, None)  # (its last step is known only now)
             self.checkpoints.wait()
         self._mark("blocked")  # the final flush
-        flush_s = self.sync.flush(state.params)
+        flush_s = self.flush_since_step + self.sync.flush(state.params)
         self.sync.close()
         self._mark("done")
         if self.checkpoints is not None:
