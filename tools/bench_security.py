@@ -434,23 +434,34 @@ def run(out: pathlib.Path) -> None:
             counts = collections.Counter(o for o, _ in results)
             return ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
 
-        rss_start = _rss_mb(syncer.pid)
-        one_by_one = [learner_push(r, 500 + r, slow=False) for r in range(40)]
-        rss0, peak = _rss_mb(syncer.pid), [0.0]
-        refused0 = a.status()["guard"]["refused"]
-        done = threading.Event()
+        peak, done = [0.0], threading.Event()
 
         def watch():
             while not done.is_set():
                 peak[0] = max(peak[0], _rss_mb(syncer.pid))
                 time.sleep(0.01)
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
+        def watched(pushes):
+            """The pushes' outcomes, and the syncer's peak RSS while they ran."""
+            peak[0] = 0.0
+            done.clear()
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                return pushes(), peak[0]
+            finally:
+                done.set()
+                watcher.join()
+
+        def slow(r, rnd):
+            return learner_push(r, rnd, slow=True)
+
+        rss_start = _rss_mb(syncer.pid)
+        one_by_one, peak_one = watched(lambda: [slow(r, 500 + r) for r in range(40)])
+        rss0 = _rss_mb(syncer.pid)
+        refused0 = a.status()["guard"]["refused"]
         with concurrent.futures.ThreadPoolExecutor(40) as pool:
-            at_once = list(pool.map(lambda r: learner_push(r, 1000 + r, slow=True), range(40)))
-        done.set()
-        watcher.join()
+            at_once, peak_all = watched(lambda: list(pool.map(slow, range(40), range(1000, 1040))))
         guard = a.status()["guard"]
         extra_lines.append(
             f"- **40 concurrent pushes of a {frag_bytes / 2**20:.1f} MiB fragment** with "
@@ -460,17 +471,18 @@ def run(out: pathlib.Path) -> None:
             f"({guard['refused'] - refused0} refused by the in-flight bound; past it a push is "
             f"refused at once, not held); peak push bytes in flight "
             f"{guard['peak_bytes_in_flight'] / 2**20:.1f} MiB (target ≤ "
-            f"{INFLIGHT / 2**20:.0f} MiB). Syncer RSS: {rss_start:.0f} MB before the same 40 "
-            f"pushes one at a time ({outcomes(one_by_one)}), {rss0:.0f} MB after them (the "
-            f"state's own growth: merged versions fill the version history to its bound), peak "
-            f"**{peak[0]:.0f} MB during the 40 at once: +{peak[0] - rss0:.0f} MB** over the "
-            f"pushes one at a time (target ≤ {INFLIGHT / 2**20:.0f} MiB; "
-            f"+{peak[0] - rss_start:.0f} MB over the start). Not covered by the bound: gRPC "
+            f"{INFLIGHT / 2**20:.0f} MiB). Syncer RSS {rss_start:.0f} MB before the same 40 "
+            f"pushes one at a time ({outcomes(one_by_one)}; peak {peak_one:.0f} MB while they ran, "
+            f"{rss0:.0f} MB after them: merged versions fill the version history to its bound), "
+            f"peak **{peak_all:.0f} MB while the 40 ran at once: {peak_all - peak_one:+.0f} MB** "
+            f"over the peak one at a time (target ≤ {INFLIGHT / 2**20:.0f} MiB; "
+            f"{peak_all - rss0:+.0f} MB over the RSS after them). Not covered by the bound: gRPC "
             "receives each open stream's current message (a chunk, at most 8 MiB) before a "
             "handler sees it, for at most the data slots' number of streams. Before 2026-12-05 "
             "pushes waited for room (up to `stream_idle_s`) instead of being refused, and gRPC "
-            "went on receiving their chunks meanwhile: the same measurement on that code gave "
-            "+127 MB over the pushes one at a time (and 25 of the 40 pushes late: they waited)."
+            "went on receiving their chunks meanwhile: on that code the 40 at once peaked "
+            "+127 MB over the RSS after the pushes one at a time (and 25 of the 40 were late: "
+            "they waited)."
         )
         # SIGTERM with all of the above behind it, and 22 pulls waiting.
         waiting = concurrent.futures.ThreadPoolExecutor(22)
