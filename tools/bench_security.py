@@ -9,8 +9,8 @@ and raw chunk bytes. For every attack: the status code, whether the syncer's sta
 before and after, and the slowest Status call while the attack ran. Then Status latency with
 100 hostile idle streams open, and the syncer's memory with far more concurrent pushes than
 `max_inflight_bytes` admits. Targets: state unchanged by every attack, Status p99 ≤ 100 ms with
-the idle streams, push bytes in flight and the syncer's memory growth while the concurrent
-pushes run (after the same pushes one at a time) ≤ the configured bound.
+the idle streams, push bytes in flight and what the concurrent pushes add to the syncer's peak
+RSS (over the peak of the same pushes made one at a time) ≤ the configured bound.
 """
 
 from __future__ import annotations
