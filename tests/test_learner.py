@@ -227,6 +227,43 @@ def test_a_merge_waits_tau_steps_unless_applied_on_arrival_and_its_lag_is_logged
         cluster.close()
 
 
+def test_wait_for_merge_holds_the_step_until_the_merge_of_every_learner_arrives():
+    """`wait_for_merge` (synchronous DiLoCo across the syncer): once its merge is due, the
+    learner's next `apply_arrivals` waits for the merge its push is in, here one that needs the
+    other learner's push too (quorum 2), and applies it at the step it pushed."""
+    config = _config(
+        inner_steps=4,
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 2,
+            "decoupled.overlap_steps": 0,
+            "decoupled.wait_for_merge": True,
+        },
+    )
+    cluster = _Cluster(config)
+    try:
+        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+        live = _shift(params0, -0.25)  # θ after learner 0's 4 steps
+        _steps(zero.sync, live, 4)  # learner 0 pushes after step 4
+        result = {}
+        waiter = threading.Thread(
+            target=lambda: result.update(params=zero.sync.apply_arrivals(live))
+        )
+        waiter.start()
+        _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's push at the syncer")
+        assert cluster.fragment(0).version == 0  # no merge without learner 1: still waiting
+        _steps(one.sync, _shift(params1, -0.25), 4)  # learner 1's push completes the round
+        waiter.join(timeout=60)
+        assert not waiter.is_alive(), "apply_arrivals did not return after the merge"
+        assert zero.sync.versions == [1]
+        assert zero.sync.applied == [{"fragment": 0, "version": 1, "pushed_at": 4, "applied_at": 4}]
+        got = _leaves(zero.sync, result["params"])
+        for spec, want in zip(zero.sync.cut[0], cluster.fragment(0).values, strict=True):
+            np.testing.assert_array_equal(got[spec.index], want)
+    finally:
+        cluster.close()
+
+
 def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
     config = _config(
         inner_steps=8,

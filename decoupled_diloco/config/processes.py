@@ -116,6 +116,10 @@ class DecoupledConfig:
       apply_on_arrival: apply a merged fragment at the first step boundary after it arrives,
         even before τ steps have passed (τ then only sizes the syncer's grace window): fewer
         steps trained away from the merged value when the merge comes back early.
+      wait_for_merge: the learner waits, once a merge is due (τ steps after its push, or at
+        once with `apply_on_arrival`), until the merge its push is in has arrived, instead of
+        stepping on: with 1 fragment, quorum M and τ 0 this is synchronous DiLoCo across the
+        syncer (what a slow link costs it shows as waiting). Off: learners never wait.
       partial_merge: how a merge that holds k of the M learners' pushes steps: "mean" (the
         weighted mean of the k outer gradients, as if they were all) or "share" (that mean
         scaled by k/M: a lone asynchronous push moves the fragment 1/M of a full round's way).
@@ -163,6 +167,7 @@ class DecoupledConfig:
     alpha: float = 0.0
     keep_overlap: bool = True
     apply_on_arrival: bool = True
+    wait_for_merge: bool = False
     partial_merge: str = "share"
     grace_safety: float = 1.0
     ema_decay: float = 0.8

@@ -19,7 +19,8 @@ worker thread computes Δ = anchor_p − θ_p (`core.outer.outer_gradient`), pus
 through outages, `outbox.Outbox`), waits for the merge that holds it and leaves the merged values
 in the inbox. `apply_arrivals` merges them into the live parameters (`core.outer.merge_back`) at
 the first step boundary at least τ (`overlap_steps`) steps after the push (or on arrival,
-`apply_on_arrival`); they become the new anchor. The loop never waits for the syncer. (The
+`apply_on_arrival`); they become the new anchor. The loop never waits for the syncer (unless
+`decoupled.wait_for_merge`: synchronous DiLoCo across the syncer). (The
 push's two halves are functions of the link in `learner.push`; its heartbeats and summary are
 in `learner.progress`.)
 
@@ -143,6 +144,7 @@ class DecoupledSync:
         # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
         self.pool = futures.ThreadPoolExecutor(max_workers=num * (d.syncer.max_unsent + 1) + 1)
         self.jobs: list[futures.Future] = []
+        self.trips: dict[int, futures.Future] = {}  # per fragment, its last push's round trip
         self.stop = threading.Event()
         self.heartbeats = progress.Heartbeats(self)  # started by `connect` (or `join`)
         # Progress, as heartbeats report it.
@@ -243,6 +245,8 @@ class DecoupledSync:
         if self._initial is not None:  # the first call inside `with`: the joined global values
             params, self._initial = self._initial, None
         t0 = time.perf_counter()
+        if self.config.decoupled.wait_for_merge:
+            push.wait_for_due_merges(self)
         ready = self._take_ready()
         self.blocked_s += time.perf_counter() - t0
         if not ready:

@@ -5,7 +5,8 @@ fragment's host copy (or its encoding on the mesh, `learner.encoder`) before the
 donates the buffers, records the push in the outbox and hands it to a worker thread, which
 runs the link's `_sync` hook. `sync` is that hook's body: the round trip (`round_trip`) and
 what its outcome changes on the link (push counters, the round's bytes, a refusal as covered);
-the merged values go to the inbox, due at the step `due_at` says. The link's state stays on
+the merged values go to the inbox, due at the step `due_at` says (with `wait_for_merge` the
+step loop waits there for them: `wait_for_due_merges`). The link's state stays on
 the link (`syncer.elastic` holds functions of a `SyncerState` the same way).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -63,7 +65,10 @@ def launch(link: DecoupledSync, params: Any, p: int, final: bool = False) -> Non
     # The round moves on before the job starts: `sync` checks it to know whether a newer
     # push of p has taken over the wait for a merge.
     link.rounds[p] += 1
-    link.jobs = [j for j in link.jobs if not j.done()] + [link.pool.submit(link._sync, job)]
+    trip = link.pool.submit(link._sync, job)
+    link.jobs = [j for j in link.jobs if not j.done()] + [trip]
+    if not final:  # (a final push brings back no merge)
+        link.trips[p] = trip
     link.steps_since[p] = link.tokens_since[p] = 0
     link.data_since[p] = []
 
@@ -117,6 +122,18 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
     if trip.version >= 0:
         due = due_at(link.config, job.pushed_at)
         link.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+
+
+def wait_for_due_merges(link: DecoupledSync) -> None:
+    """`wait_for_merge`: waits for each round trip whose merge is due by now to end.
+
+    A round trip ends once its merge is in the inbox (or without one: a push folded into a
+    newer one, refused as covered, or the link stopping).
+    """
+    for p, trip in list(link.trips.items()):
+        if due_at(link.config, link.last_push[p]) <= link.step:
+            while not trip.done() and not link.stop.is_set():
+                futures.wait([trip], timeout=1.0)
 
 
 def due_at(config: ExperimentConfig, pushed_at: int) -> int:
