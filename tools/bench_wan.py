@@ -9,12 +9,15 @@ step time is measured by the first, unlimited run. The settings, M learners (sit
 
 - `decoupled <scheme> P=<P>`: decoupled DiLoCo as configured (τ = H/5, merges applied on
   arrival); int8 and e3m0 compress both ways (`compression.downlink`), none sends float32.
+- `diloco`: synchronous DiLoCo across the syncer: one fragment, quorum M, τ 0, and every
+  learner waits at each sync for the merge of all M (`decoupled.wait_for_merge`); float32
+  outer gradients up and merged values down, one after the other.
 - `dp`: one island data-parallel over M processes, one per site: its gradient all-reduce (XLA's
   gloo collectives on CPU) crosses the links every step (`decoupled.wan_sites="process"`; outer
   SGD at lr 1 without momentum, one sync at the end: exactly data-parallel training; the
   limited dp runs, timed only, send that sync as e3m0 to spare the slow link).
 
-Utilisation: for decoupled, stepping time (less the link's waits inside the step
+Utilisation: for decoupled and diloco, stepping time (less the link's waits inside the step
 loop, `blocked_s`) over the learners' time from their first step on (stepping, blocked,
 checkpointing), from the timelines; "without final flush" leaves out the waits after the last
 step, which a long run amortises. The planner (`sim.bandwidth.utilisation`) predicts both: for
@@ -29,16 +32,16 @@ limited one's. A dp step behind a scaled link takes minutes, so limited dp runs 
 load" is the busiest site's busier direction, in bytes the kernel counted, over the run's wall
 time.
 
-Not measured here: synchronous DiLoCo across the links. Its learners must wait at every sync
-for the merge of all M, and a learner of this framework never waits for the syncer (a setting of
-fragments 1, quorum M, τ 0 was tried: the learners stepped on while the merges crossed the
-links, and the runs diverged, eval loss 1.41× and 4.15× the unlimited run at the scaled 5 and
-2 Gbit/s); the planner's `diloco` mode gives its expected utilisation.
+Before `decoupled.wait_for_merge` (2026-12-05) diloco could not be measured: a setting of
+fragments 1, quorum M, τ 0 without waits let the learners step on while the merges crossed the
+links, and the runs diverged (eval loss 1.41× and 4.15× the unlimited run at the scaled 5 and
+2 Gbit/s). Its waits are the link's `blocked_s`, so they count against its utilisation; the
+planner's `diloco` mode (topology `syncer`: push, merge, pull in turn) predicts it.
 
 `--quick`: only decoupled e3m0 P=4 and dp, unlimited and at the scaled 2 Gbit/s (dp's unlimited
 run times 20 steps); it ends with `scaled 2 Gbit/s: decoupled utilisation U, dp utilisation V,
 shaping tbf|pacer`. Runs are reused when their workdir holds the very same config
-(`local.runs`), so a sweep can be extended with `--settings`.
+(`local.runs`), so a sweep can be extended with `--settings` and `--gbps`.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class Setting:
     """One line of the sweep: a mode, its overrides of `CONFIG`, and the planner's view of it."""
 
     name: str
-    kind: str  # "decoupled" or "dp"
+    kind: str  # "decoupled", "diloco" or "dp"
     scheme: str = "none"
     fragments: int = 1
 
@@ -84,6 +87,10 @@ class Setting:
             down = self.scheme != "none"
             return {**base, "compression.scheme": self.scheme, "compression.downlink": down,
                     "decoupled.fragments": self.fragments}  # fmt: skip
+        if self.kind == "diloco":  # synchronous: every learner waits for each round's merge
+            return {**base, "decoupled.fragments": 1, "decoupled.quorum": learners,
+                    "decoupled.overlap_steps": 0, "decoupled.apply_on_arrival": True,
+                    "decoupled.wait_for_merge": True}  # fmt: skip
         return {  # dp: one island over `learners` sites, the same total batch
             **base, "num_learners": 1, "inner_steps": steps, "decoupled.fragments": 1,
             "decoupled.island_processes": learners, "decoupled.wan_sites": "process",
@@ -108,6 +115,10 @@ class Setting:
             plan = bandwidth.LinkPlan(**common, inner_steps=1, fragments=1, overlap_steps=0,
                                       dp_bits=32, topology="allreduce")  # fmt: skip
             return bandwidth.utilisation(plan, "dp", gbps)
+        if self.kind == "diloco":  # the push, the merge, then the pull, every H steps
+            plan = bandwidth.LinkPlan(**common, inner_steps=w.inner_steps, fragments=1,
+                                      overlap_steps=0, dp_bits=32, topology="syncer")  # fmt: skip
+            return bandwidth.utilisation(plan, "diloco", gbps)
         return bandwidth.utilisation(self._decoupled_plan(w, common), "decoupled", gbps)
 
     def sync_interval(self, w: bandwidth.Workload, learners: int, gbps: float) -> float:
@@ -131,6 +142,7 @@ SETTINGS = [
         for s in ("e3m0", "int8", "none")
         for p in (4, 1)
     ),  # fmt: skip
+    Setting("diloco", "diloco"),
     Setting("dp", "dp"),
 ]
 QUICK = ("decoupled e3m0 P=4", "dp")
@@ -210,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="runs/bench_wan")
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--gbps", default="", help="comma-separated scaled rates (default: 5,2,1,0.5; --quick: 2)"
+    )
     args = parser.parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
     shown = " ".join(["python -m tools.bench_wan", *given])  # as run, to run it again
@@ -221,7 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     ok, why = wan.available()
     shaping = "tbf" if ok else f"pacer ({why})"
     root, batch = pathlib.Path(args.workdir), runs.resolve(CONFIG).data.batch_size
-    gbps_list = (2.0,) if args.quick else SCALED_GBPS
+    gbps_list = (
+        tuple(float(x) for x in args.gbps.split(","))
+        if args.gbps
+        else (2.0,)
+        if args.quick
+        else SCALED_GBPS
+    )
     t0 = time.time()
     counts = {"run": 0, "reused": 0}  # (the reference run counts again as its setting's row)
     failures: dict[tuple[str, float], str] = {}  # (setting, gbps) -> the run's last error line
