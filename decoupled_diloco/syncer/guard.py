@@ -91,9 +91,9 @@ class Activity:
         """Reserves `nbytes` of push buffer, or aborts RESOURCE_EXHAUSTED at once.
 
         A push does not wait for room: while its handler waited, gRPC would go on receiving the
-        stream's chunks into its own buffers (measured: 40 concurrent pushes of 4.2 MiB against
-        a 16 MiB bound held +127 MB more syncer memory when they waited, +15 MB refused and
-        retried; `tools.bench_security`). The refusal is retryable if `nbytes` fits the bound.
+        stream's chunks into its own buffers (40 concurrent pushes of 4.2 MiB against a 16 MiB
+        bound: over 100 MB more syncer memory when they waited; what they cost now is in
+        benchmarks/results/security.md). The refusal is retryable if `nbytes` fits the bound.
         """
         g = self.guard
         with g.lock:
@@ -200,12 +200,12 @@ class Guard:
         try:
             yield activity
         finally:
+            activity.release()  # (a push that ended before its bytes were all in its file)
             with self.lock:
                 self.active.discard(activity)
                 self.by_caller[caller] -= 1
                 if not self.by_caller[caller]:
                     del self.by_caller[caller]
-                self.bytes_in_flight -= activity.reserved
 
     def _watch(self) -> None:
         period = max(min(self.idle_s / 4, 1.0), 0.01)
