@@ -85,12 +85,13 @@ def proc_written(pid: int) -> int:
     return 0
 
 
-def config_for(size: str, learners: int):
-    """The decoupled experiment of one benchmark cell."""
+def config_for(size: str, learners: int, snapshots_kept: int = 3):
+    """The decoupled experiment of one benchmark cell (`snapshots_kept`: the syncer's)."""
     from decoupled_diloco import config as c
 
     return c.replace(
         c.ExperimentConfig(mode="decoupled", num_learners=learners, inner_steps=100),
+        **{"checkpoint.max_to_keep": snapshots_kept},
         **{f"model.{k}": v for k, v in SIZES[size].items()},
         **{
             "model.seq_len": 1024,
@@ -133,14 +134,14 @@ def start_syncer(config, tmp: pathlib.Path, durable: bool) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
 
 
-def run_cell(size: str, learners: int, rounds: int) -> dict:
+def run_cell(size: str, learners: int, rounds: int, snapshots_kept: int = 3) -> dict:
     """One (size, M) cell: a syncer process and M pushing threads; the measurements."""
     from decoupled_diloco import tasks
     from decoupled_diloco.comm.client import SyncerClient
     from decoupled_diloco.core import fragments as F
     from decoupled_diloco.local.procs import reap
 
-    config = config_for(size, learners)
+    config = config_for(size, learners, snapshots_kept)
     task = tasks.make_task(config)
     specs = F.tensor_specs(task.abstract_params())
     cut = F.partition(specs, FRAGMENTS)
@@ -235,19 +236,20 @@ def run_cell(size: str, learners: int, rounds: int) -> dict:
     }
 
 
-def disk_shortfall(size: str, learners: int, rounds: int) -> str:
+def disk_shortfall(size: str, learners: int, rounds: int, snapshots_kept: int = 3) -> str:
     """Why a cell cannot run on this disk ("" if it can).
 
     A durable syncer keeps each push's file until the oldest kept snapshot is newer than its
-    merge, and `max_to_keep` snapshots of Θ and the momentum: at most about the pushes of every
-    round plus 3 × 2 models (measured at 1B, M=4: 57.6 GB after 2 rounds, 14× the model).
+    merge, and `snapshots_kept` snapshots of Θ and the momentum (one more while one is
+    written): at most about the pushes of `snapshots_kept` + 1 rounds plus 2 models per
+    snapshot (measured at 1B, M=4, 3 kept: 57.6 GB after 2 rounds, 14× the model).
     """
     from decoupled_diloco import tasks
     from decoupled_diloco.core import fragments as F
 
     task = tasks.make_task(config_for(size, learners))
     model = sum(s.nbytes for s in F.tensor_specs(task.abstract_params()))
-    need = model * (learners * (rounds + 1) + 8)
+    need = model * (learners * min(rounds, snapshots_kept + 1) + 2 * (snapshots_kept + 1))
     free = shutil.disk_usage(tempfile.gettempdir()).free
     if need <= free:
         return ""
@@ -354,6 +356,7 @@ def learner_child(size: str, address: str, steps: int, step_s: float) -> None:
     config = config_for(size, 1)
     config = dd.replace(config, **{"decoupled.quorum": 1, "train_steps": steps})
     task = tasks.make_task(config)
+    _, process = proc_memory(os.getpid())  # the process before the model (JAX, gRPC, Python)
     params = task.init_params(config.seed)
     model = sum(x.nbytes for x in jax.tree.leaves(params))
     touch = jax.jit(
@@ -381,12 +384,14 @@ def learner_child(size: str, address: str, steps: int, step_s: float) -> None:
             stall["max"] = max(stall["max"], took, time.perf_counter() - t0)
         versions = list(sync.versions)
         wall = time.perf_counter() - t_run  # the loop's (joining and the final flush apart)
-    hwm, rss = proc_memory(os.getpid())
+        hwm, _ = proc_memory(os.getpid())  # the loop's peak (the final flush apart)
+    flush_hwm, rss = proc_memory(os.getpid())  # (with the final flush: every fragment at once)
     print(
         "RESULT "
         + json.dumps(
             {"model": model, "hwm": hwm, "rss": rss, "stall": stall, "wall": wall,
-             "join_s": t_join, "join_hwm": join_hwm, "versions": versions}
+             "join_s": t_join, "join_hwm": join_hwm, "versions": versions,
+             "process": process, "flush_hwm": flush_hwm}
         ),
         flush=True,
     )  # fmt: skip
@@ -401,8 +406,9 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
     lines = [
         "| size (params) | steps × step s | merges applied | stall % of wall | of it: "
         "applying merges / pushing s | longest stall s | join s | start-up peak GB | loop "
-        "peak RSS GB | loop peak ÷ model |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "peak RSS GB | loop peak ÷ model | process before the model GB | loop peak less it ÷ "
+        "model | with the final flush GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size in sizes:
         config = config_for(size, 1)
@@ -440,7 +446,8 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
             f"{100 * (st['apply'] + st['push']) / r['wall']:.2f} | "
             f"{st['apply']:.2f} / {st['push']:.2f} | {st['max']:.3f} | {r['join_s']:.1f} | "
             f"{r['join_hwm'] / 1e9:.2f} | {r['hwm'] / 1e9:.2f} | "
-            f"{r['hwm'] / r['model']:.2f} |"
+            f"{r['hwm'] / r['model']:.2f} | {r['process'] / 1e9:.2f} | "
+            f"{(r['hwm'] - r['process']) / r['model']:.2f} | {r['flush_hwm'] / 1e9:.2f} |"
         )
         print(lines[-1], flush=True)
     return lines
@@ -496,6 +503,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="25m,125m,350m,1b")
     parser.add_argument("--learners", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--snapshots_kept", type=int, default=3,
+        help="syncer: snapshots kept (checkpoint.max_to_keep; fewer: less disk held by pushes)",
+    )  # fmt: skip
     parser.add_argument("--label", default="", help="A heading for this run (e.g. before).")
     parser.add_argument(
         "--section", default="all", help="all | syncer | memory | learner | precision"
@@ -545,7 +556,10 @@ def main() -> None:
             "process with synthetic steps (`DecoupledSync` in a plain loop: each step rewrites "
             "every parameter, then waits out the step time), H = 100, 4 fragments, a syncer "
             "process without checkpoints, quorum 1, float32 pushes. Stall: time inside "
-            "`apply_arrivals` and `step_done`. On CPU the parameters themselves are host memory.",
+            "`apply_arrivals` and `step_done`. On CPU the parameters themselves are host memory. "
+            "Loop peak: VmHWM from the end of the join to the end of the loop (the final flush, "
+            "which pushes every fragment at once, apart: its own column); 'process before the "
+            "model': RSS once JAX and the client are loaded, before the parameters exist.",
             lines,
         )
         return
@@ -570,12 +584,14 @@ def main() -> None:
     cells = []
     for size in args.sizes.split(","):
         for m in (int(x) for x in args.learners.split(",")):
-            skip = disk_shortfall(size, m, args.rounds)
+            skip = disk_shortfall(size, m, args.rounds, args.snapshots_kept)
             cells.append({"size": size, "learners": m, "skipped": skip} if skip else None)
-            cells[-1] = cells[-1] or run_cell(size, m, args.rounds)
+            cells[-1] = cells[-1] or run_cell(size, m, args.rounds, args.snapshots_kept)
     command = (
         f"python -m tools.bench_scale --sizes={args.sizes} --learners={args.learners} "
-        f"--rounds={args.rounds}" + (f" --out={args.out}" if args.out else "")
+        f"--rounds={args.rounds}"
+        + (f" --snapshots_kept={args.snapshots_kept}" if args.snapshots_kept != 3 else "")
+        + (f" --out={args.out}" if args.out else "")
     )
     section = "\n".join(
         [

@@ -134,6 +134,7 @@ def start() -> None:
         configure_cpu_devices(local_device_count(shape[0] * shape[1], flags.FLAGS.num_processes))
         # A restarted learner loads its compiled step from the persistent cache.
         runtime.use_compile_cache()
+        runtime.tune_malloc()  # before any thread: see its doc
         try:
             if flags.FLAGS.standby:  # a warm spare: set up now, told which learner later
                 from decoupled_diloco.learner import standby

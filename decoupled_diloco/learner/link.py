@@ -88,6 +88,9 @@ class DecoupledSync:
         mesh_name: str = "",
         on_state: Callable[[str], None] | None = None,
     ):
+        # Fragment-sized host buffers go back to the OS when freed (the learner process does
+        # this first thing; here for a user's own loop, before the client's threads start).
+        runtime.tune_malloc()
         if client is None:
             if not syncer:
                 raise ValueError("DecoupledSync: give syncer='HOST:PORT' (or a client)")

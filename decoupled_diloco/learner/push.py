@@ -37,9 +37,12 @@ def launch(link: DecoupledSync, params: Any, p: int, final: bool = False) -> Non
     t0 = time.perf_counter()
     if not final:
         link.last_push[p] = link.step
+    source = leaves
     if link.config.decoupled.keep_overlap and not final:
-        # A device copy: the next step donates these buffers.
-        link.at_push[p] = mesh_merge.device_copy(leaves)
+        # A device copy: the next step donates these buffers. The push reads θ from it too: a
+        # host view of the parameters themselves (on CPU `device_get` copies nothing) would
+        # keep the next step from donating them, and it would allocate the fragment again.
+        link.at_push[p] = source = mesh_merge.device_copy(leaves)
     # Δ = reference − θ: from the anchor, or from θ where a lease handed again was covered.
     reference = link.anchor[p] if link.origin[p] is None else link.origin[p]
     if link.encoder.enabled:
@@ -47,7 +50,7 @@ def launch(link: DecoupledSync, params: Any, p: int, final: bool = False) -> Non
         link.compress_s += time.perf_counter() - t0
     else:
         # A host copy now: the next step donates (invalidates) these device buffers.
-        local = link._to_host(leaves)
+        local = link._to_host(source)
     link.sync_host_s += time.perf_counter() - t0
     # Undelivered older pushes of p may be folded into this one (`Outbox`).
     ticket = link.outbox.add(

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
         logging.set_verbosity(logging.WARNING)
     runtime.host_cpu_only()  # no device code: never an accelerator's memory
     runtime.use_compile_cache()
-    runtime.limit_malloc_arenas()  # before the gRPC threads: see its doc
+    runtime.tune_malloc()  # before the gRPC threads: see its doc
     config = config_lib.from_config_dict(values.config)
     hook = values.debug_pause_in_merge
     server = SyncerServer(
