@@ -315,6 +315,25 @@ def test_a_transfer_longer_than_the_rpc_deadline_arrives_and_a_stalled_one_is_cu
         server.stop(0)
 
 
+def test_a_pushs_reply_waits_for_what_is_still_queued_on_a_slow_link():
+    from decoupled_diloco.comm.client import queued_s
+
+    # 2.2 MB at 20 KB/s in 64 KiB chunks: gRPC buffers the first ~1.1 MB at once, then takes a
+    # chunk as each one crosses; when the last is handed over (55 s) ~1.1 MB is still queued.
+    chunk, rate, buffered = 65536, 20_000, 17
+    marks = [(0.01 * i, chunk * (i + 1)) for i in range(buffered)]
+    t = 0.01 * buffered
+    for i in range(buffered, 34):
+        t += chunk / rate
+        marks.append((t, chunk * (i + 1)))
+    left = chunk * 34 - rate * t  # bytes not yet across when the last chunk was handed over
+    assert queued_s(marks, t) == pytest.approx(left / rate, rel=0.1)
+    assert 50 < queued_s(marks, t) < 70
+    # Handed over at once (a fast link, or a push the buffers hold whole): nothing to add.
+    assert queued_s([(0.0, chunk), (0.001, 2 * chunk)], 0.002) < 0.01
+    assert queued_s([(0.0, chunk)], 0.0) == 0.0
+
+
 def test_control_calls_have_a_connection_of_their_own(tmp_path):
     # On a slow link a fragment's bytes fill the data connection's queues for seconds or
     # minutes; heartbeats must not wait behind them: they go over a second TCP connection.

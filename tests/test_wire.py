@@ -25,6 +25,21 @@ def test_chunk_arrays_round_trips_across_tensor_boundaries(chunk):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("chunk", [1026, 4096, 1 << 20])  # (1026: cuts inside a float)
+def test_a_difference_streams_the_bytes_of_the_whole_difference(chunk):
+    from decoupled_diloco.core import outer
+
+    anchors = _arrays()
+    local = [np.sin(x) * 3 for x in anchors]
+    lazy = [outer.Difference(a, x) for a, x in zip(anchors, local, strict=True)]
+    whole = [a - x for a, x in zip(anchors, local, strict=True)]
+    assert [d.nbytes for d in lazy] == [w.nbytes for w in whole]
+    assert list(wire.chunk_arrays(lazy, chunk)) == list(wire.chunk_arrays(whole, chunk))
+    np.testing.assert_array_equal(np.asarray(lazy[2]), whole[2])
+    with pytest.raises(ValueError, match="differ"):
+        outer.Difference(anchors[0], local[1])
+
+
 def test_data_only_chunks_match_protobuf_and_anything_else_is_not_taken():
     data = bytes(range(256)) * 700  # a multi-byte varint length
     for tag, message in (

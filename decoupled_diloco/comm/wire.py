@@ -19,7 +19,7 @@ import numpy as np
 
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.config import SyncerConfig
-from decoupled_diloco.core import compression
+from decoupled_diloco.core import compression, outer
 from decoupled_diloco.core.compression import Codec
 from decoupled_diloco.core.fragments import TensorSpec
 
@@ -63,9 +63,18 @@ def run_token(config: SyncerConfig) -> str:
     return token
 
 
-def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    """Message limits raised on both ends (the default receive limit is 4 MiB), fast reconnect."""
-    limit = max(MAX_MESSAGE_BYTES, 4 * chunk_bytes)
+# gRPC cuts a connection whose HTTP/2 ping (its flow-control probes) is not answered within
+# `grpc.http2.ping_timeout_ms`, 60 s by default. On a saturated slow link the answer waits behind
+# everything queued ahead of it (up to the flow-control window): a 2.2 MB push at 0.153 Mbit/s
+# was cut after 91 s, and every retry the same way. Transfers have deadlines of their own
+# (nothing moved for `rpc_timeout_s` on the client, `stream_idle_s` on the syncer), so the
+# ping's only has to outlast the queue: this many times `rpc_timeout_s`.
+PING_TIMEOUT_RPC_TIMEOUTS = 10
+
+
+def channel_options(config: SyncerConfig) -> list[tuple[str, int]]:
+    """Both ends' options: raised message limits, fast reconnect, patient pings."""
+    limit = max(MAX_MESSAGE_BYTES, 4 * config.chunk_bytes)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
@@ -73,6 +82,10 @@ def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
         # minutes), so that the client's own retries find it.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
+        (
+            "grpc.http2.ping_timeout_ms",
+            int(max(60.0, PING_TIMEOUT_RPC_TIMEOUTS * config.rpc_timeout_s) * 1000),
+        ),
     ]
 
 
@@ -177,21 +190,27 @@ def _le_bytes(a: np.ndarray) -> memoryview:
 
 
 def chunk_arrays(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[bytes]:
-    """The arrays' little-endian bytes cut into chunks, copied once (no concatenated buffer)."""
-    views = [_le_bytes(a) for a in arrays]
-    parts: list[memoryview] = []
+    """The arrays' little-endian bytes cut into chunks, copied once (no concatenated buffer).
+
+    An array may also be an `outer.Difference`: its bytes are computed as each chunk is cut.
+    """
+    parts: list[memoryview | bytes] = []
     size = 0
-    for view in views:
-        start = 0
-        while start < len(view):
-            take = min(chunk_bytes - size, len(view) - start)
-            parts.append(view[start : start + take])
+    for a in arrays:
+        view = a if isinstance(a, outer.Difference) else _le_bytes(a)
+        total, start = a.nbytes if isinstance(a, outer.Difference) else len(view), 0
+        while start < total:
+            take = min(chunk_bytes - size, total - start)
+            if isinstance(view, outer.Difference):
+                parts.append(view.le_bytes(start, start + take))
+            else:
+                parts.append(view[start : start + take])
             size += take
             start += take
             if size == chunk_bytes:
-                yield parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+                yield bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
                 parts, size = [], 0
-    if parts or not any(len(v) for v in views):
+    if parts or not any(a.nbytes for a in arrays):
         yield b"".join(parts)
 
 
@@ -308,7 +327,7 @@ def make_channel(address: str, config: SyncerConfig, own_connection: bool = Fals
     With `own_connection`, its TCP connection is its own (gRPC otherwise shares one among the
     channels of a process to the same address).
     """
-    options = channel_options(config.chunk_bytes)
+    options = channel_options(config)
     if own_connection:
         options.append(("grpc.use_local_subchannel_pool", 1))
     if config.tls_cert:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from decoupled_diloco.core.fragments import path_name
@@ -34,6 +35,40 @@ _TINY_NORM = 1e-30
 def outer_gradient(anchor: PyTree, local: PyTree) -> PyTree:
     """Returns Δ = anchor − local, leaf by leaf (numpy in, numpy out; jax in, jax out)."""
     return jax.tree.map(lambda a, x: a - x, anchor, local)
+
+
+class Difference:
+    """One tensor of Δ = anchor − local on the host, computed a piece at a time as it is read.
+
+    A learner streams its outer gradient to the syncer a chunk at a time (`comm.wire`): built
+    from this, a fragment's Δ never exists whole (a fragment-sized buffer less per push).
+
+    Args:
+      anchor: the anchor tensor (numpy; never written).
+      local: θ, of the same shape and dtype (numpy; never written).
+    """
+
+    def __init__(self, anchor: np.ndarray, local: np.ndarray):
+        if anchor.shape != local.shape or anchor.dtype != local.dtype:
+            raise ValueError(
+                f"anchor {anchor.shape} {anchor.dtype} and local {local.shape} {local.dtype} differ"
+            )
+        self.shape, self.dtype = anchor.shape, anchor.dtype
+        self.nbytes = anchor.nbytes
+        self._a, self._x = anchor.reshape(-1), local.reshape(-1)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The whole difference (for a caller that wants it at once)."""
+        whole = self._a - self._x
+        return whole.reshape(self.shape) if dtype is None else whole.astype(dtype)
+
+    def le_bytes(self, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of the difference's little-endian encoding, computed now."""
+        size = self.dtype.itemsize
+        first, last = start // size, -(-stop // size)
+        piece = self._a[first:last] - self._x[first:last]
+        raw = piece.astype(piece.dtype.newbyteorder("<"), copy=False).tobytes()
+        return raw[start - first * size : stop - first * size]
 
 
 def token_weight(tokens: int, steps: int) -> float:

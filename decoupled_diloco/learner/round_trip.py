@@ -111,7 +111,10 @@ def round_trip(
         arrays, tensors = job.local.arrays, wire.headers(specs, codec)
     else:
         reference = job.anchor if job.origin is None else job.origin
-        arrays, tensors = outer.outer_gradient(reference, job.local), None
+        # Δ = reference − θ, computed a chunk at a time as the push streams it (and again by a
+        # retry): it never exists whole.
+        arrays = [outer.Difference(a, x) for a, x in zip(reference, job.local, strict=True)]
+        tensors = None
     send = functools.partial(
         client.push,
         learner_id=learner_id,

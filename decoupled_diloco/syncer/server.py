@@ -195,7 +195,7 @@ class SyncerServer:
             # Data calls hold at most `data_slots` threads (`syncer.guard`); the rest serve the
             # control calls, which therefore never wait behind a push or a pull.
             futures.ThreadPoolExecutor(max_workers=threads),
-            options=wire.channel_options(s.chunk_bytes),
+            options=wire.channel_options(s),
             maximum_concurrent_rpcs=4 * threads,
         )
         add_service(self.service, self.server)
