@@ -25,8 +25,9 @@ class SyncerConfig:
       chunk_bytes: bytes per gRPC stream message of a push or pull (at least 1024).
       max_push_bytes: the largest push the syncer accepts.
       rpc_timeout_s: deadline of one control RPC; a push or pull is cut once it moves nothing
-        this long (however long it takes as a whole); also the longest a pull waits for a
-        merge.
+        this long (however long it takes as a whole; a push's reply also waits for what a slow
+        link still holds queued); also the longest a pull waits for a merge. gRPC's own ping
+        timeout is 10 times this (a ping waits behind the queue of a saturated link).
       retries: retries of a failed RPC (with backoff) before the learner reports an error.
       heartbeat_s: seconds between a learner's heartbeats.
       learner_timeout_s: a learner silent this long no longer counts towards the quorum.
