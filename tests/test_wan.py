@@ -315,23 +315,51 @@ def test_a_transfer_longer_than_the_rpc_deadline_arrives_and_a_stalled_one_is_cu
         server.stop(0)
 
 
-def test_a_pushs_reply_waits_for_what_is_still_queued_on_a_slow_link():
-    from decoupled_diloco.comm.client import queued_s
-
-    # 2.2 MB at 20 KB/s in 64 KiB chunks: gRPC buffers the first ~1.1 MB at once, then takes a
-    # chunk as each one crosses; when the last is handed over (55 s) ~1.1 MB is still queued.
-    chunk, rate, buffered = 65536, 20_000, 17
-    marks = [(0.01 * i, chunk * (i + 1)) for i in range(buffered)]
-    t = 0.01 * buffered
-    for i in range(buffered, 34):
-        t += chunk / rate
+def _taken(total_chunks, buffered, chunk, rate):
+    """(time, bytes) as gRPC takes a push's chunks: `buffered` at once, then at the link's pace."""
+    marks, t = [], 0.0
+    for i in range(total_chunks):
+        t = 0.001 * i if i < buffered else t + chunk / rate
         marks.append((t, chunk * (i + 1)))
-    left = chunk * 34 - rate * t  # bytes not yet across when the last chunk was handed over
-    assert queued_s(marks, t) == pytest.approx(left / rate, rel=0.1)
-    assert 50 < queued_s(marks, t) < 70
-    # Handed over at once (a fast link, or a push the buffers hold whole): nothing to add.
-    assert queued_s([(0.0, chunk), (0.001, 2 * chunk)], 0.002) < 0.01
-    assert queued_s([(0.0, chunk)], 0.0) == 0.0
+    return marks, t
+
+
+@pytest.mark.parametrize("chunks", [34, 19])  # (19: gRPC's first burst is most of the push)
+def test_a_pushs_reply_waits_for_what_is_still_queued_on_a_slow_link(chunks, monkeypatch):
+    from decoupled_diloco.comm import client
+
+    # 64 KiB chunks at 20 KB/s: gRPC buffers the first ~1.1 MB at once, then takes a chunk as
+    # each one crosses; when it takes the last, what it buffered is still to cross.
+    chunk, rate, buffered = 65536, 20_000, 17
+    marks, t = _taken(chunks, buffered, chunk, rate)
+    left = chunk * chunks - rate * t  # bytes not across yet when the last chunk was taken
+    assert left > 0.9 * buffered * chunk
+    assert client.queued_s(marks, t) == pytest.approx(left / rate, rel=0.01)
+    # The watch: the cut after the last chunk comes `idle_s` after that (the checksum chunk
+    # that ends every push is not a chunk of the link's pace).
+    now = [0.0]
+    monkeypatch.setattr(client.time, "monotonic", lambda: now[0])
+    watch = client._Watch(idle_s=60.0)
+    for when, _ in marks:
+        now[0] = when
+        watch.handed(chunk)
+    watch.handed(8)  # the checksum
+    watch.sent()
+    assert watch._deadline == pytest.approx(t + 60.0 + left / rate, rel=0.01)
+
+
+def test_a_push_taken_at_once_is_bounded_by_its_deadline_not_a_guess():
+    from decoupled_diloco.comm import client
+
+    marks, t = _taken(10, 10, 65536, 20_000)  # (the whole push fits gRPC's buffers)
+    assert client.queued_s(marks, t) is None
+    assert client.queued_s(marks[:1], t) is None
+    watch = client._Watch(idle_s=60.0)
+    for _ in range(10):
+        watch.handed(65536)
+    watch.handed(8)
+    watch.sent()
+    assert watch._deadline == float("inf")  # (the call's own deadline ends it)
 
 
 def test_control_calls_have_a_connection_of_their_own(tmp_path):

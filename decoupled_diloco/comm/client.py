@@ -11,6 +11,7 @@ where the link's rate is known, `decoupled.wan_mbit`), and a stalled transfer st
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import zlib
@@ -50,30 +51,38 @@ class Stalled(grpc.RpcError):
 class _Watch:
     """Cancels a streaming call once it has moved nothing for `idle_s` (`first_s` more at first).
 
-    `guard(call)` starts watching; `moved(nbytes)` on every chunk; `sent()` once a push's last
-    chunk is handed to gRPC; `close()` when the call is over.
+    `guard(call)` starts watching; `moved()` on every chunk (`handed(nbytes)` once gRPC has
+    taken a pushed one); `sent()` once a push's last chunk is with gRPC; `close()` when the
+    call is over.
     """
 
     def __init__(self, idle_s: float, first_s: float = 0.0):
         self.idle_s = idle_s
         self._deadline = time.monotonic() + idle_s + first_s  # (one attribute: no torn reads)
         self.stalled, self._done = False, threading.Event()
-        self._marks: list[tuple[float, int]] = []  # (time, bytes handed to gRPC by then)
+        self._marks: list[tuple[float, int]] = []  # (time, bytes gRPC had taken by then)
 
     def guard(self, call: Any) -> None:
         if hasattr(call, "cancel"):  # (a stream some interceptor wrapped may have none)
             threading.Thread(target=self._run, args=(call,), daemon=True, name="dd-watch").start()
 
-    def moved(self, nbytes: int = 0) -> None:
-        now = time.monotonic()
-        self._deadline = now + self.idle_s
-        if nbytes:
-            self._marks.append((now, (self._marks[-1][1] if self._marks else 0) + nbytes))
+    def moved(self) -> None:
+        self._deadline = time.monotonic() + self.idle_s
+
+    def handed(self, nbytes: int) -> None:
+        """Records that gRPC took a chunk of `nbytes` (it asks for the next once one is sent)."""
+        self.moved()
+        self._marks.append((time.monotonic(), (self._marks[-1][1] if self._marks else 0) + nbytes))
 
     def sent(self) -> None:
-        """The last chunk is with gRPC: the reply may wait for what is still queued to cross."""
+        """The last chunk is with gRPC: the reply may wait for what is still queued to cross.
+
+        Without a pace to go by (gRPC took the whole stream at once) only the call's own
+        deadline (`transfer_deadline_s`) bounds the wait.
+        """
         now = time.monotonic()
-        self._deadline = now + self.idle_s + queued_s(self._marks, now)
+        queued = queued_s(self._marks[:-1], now)  # (the last chunk is the checksum alone)
+        self._deadline = math.inf if queued is None else now + self.idle_s + queued
 
     def close(self) -> None:
         self._done.set()
@@ -86,29 +95,33 @@ class _Watch:
                 return
 
 
-def queued_s(marks: list[tuple[float, int]], now: float) -> float:
-    """How long the bytes handed to gRPC but not yet across the link may take to cross.
+PACED_GAP_S = 0.05  # a gap between chunks taken at least this long: gRPC waited for the link
+
+
+def queued_s(marks: list[tuple[float, int]], now: float) -> float | None:
+    """How long the bytes gRPC has taken, but the link not yet carried, may take to cross.
 
     gRPC takes a stream's chunks as fast as it can buffer them (its flow-control window and
-    the kernel's socket buffer: about a megabyte), then only as fast as the link drains them.
-    So the second half of the stream, handed over at the link's pace on a link slower than
-    the buffers, gives the rate; what that rate could not have moved since the first chunk is
-    still queued (measured: at 0.153 Mbit/s the last of a 2.2 MB push was handed over after
-    55 s with ~1.1 MB still to cross, 57 s more). 0 for a stream handed over at once.
+    the kernel's socket buffer: about a megabyte), then one as each crosses the link. The
+    slowest of the last three gaps between chunks taken is the link's pace; what that pace
+    could not have carried since the first chunk is still queued (measured: at 0.153 Mbit/s
+    the last of a 2.2 MB push in 64 KiB chunks was taken after 55 s, with ~1.1 MB still to
+    cross: 57 s more).
 
     Args:
-      marks: (time, bytes handed over by then) per chunk.
-      now: when the last chunk was handed over.
+      marks: per data chunk taken, (time, bytes taken by then).
+      now: when the last chunk was taken.
+
+    Returns:
+      Seconds; None when no gap shows the link's pace (gRPC took the stream at once).
     """
-    if len(marks) < 2:
-        return 0.0
-    start, total = marks[0][0], marks[-1][1]
-    t_half, b_half = next((t, b) for t, b in marks if b >= total / 2)
-    span = now - t_half
-    if span <= 0 or total <= b_half:
-        return 0.0
-    rate = (total - b_half) / span
-    return max(total - rate * (now - start), 0.0) / rate
+    pairs = zip(marks[:-1], marks[1:], strict=True)
+    gaps = [(b1 - b0, t1 - t0) for (t0, b0), (t1, b1) in pairs][-3:]
+    paced = [nbytes / seconds for nbytes, seconds in gaps if seconds >= PACED_GAP_S]
+    if not paced:
+        return None
+    rate = min(paced)
+    return max(marks[-1][1] - rate * (now - marks[0][0]), 0.0) / rate
 
 
 def transfer_deadline_s(nbytes: int, config: SyncerConfig, wait_s: float = 0.0) -> float:
@@ -280,7 +293,8 @@ class SyncerClient:
     ) -> pb.PushReply:
         """Streams one fragment's outer gradient; retried safely (idempotent per round).
 
-        Without `tensors`, `arrays` are the raw tensors; with them (`wire.headers` of a codec),
+        Without `tensors`, `arrays` are the raw tensors (numpy, or lazy ones such as
+        `core.outer.Difference`: see `wire.chunk_arrays`); with them (`wire.headers` of a codec),
         `arrays` are the encoded sections in wire order (`wire.encoded_arrays`). `retries`:
         as for every call (a caller with its own retry loop passes 0). `data`: the leased
         batches ([lease, begin, end)) the outer gradient trained on (`syncer.ledger`).
@@ -308,8 +322,9 @@ class SyncerClient:
 
             def watched() -> Iterator[bytes]:
                 for chunk in stream():  # (gRPC asks for the next once the last one is sent)
-                    watch.moved(len(chunk))
+                    watch.moved()
                     yield chunk
+                    watch.handed(len(chunk))
                 watch.sent()  # (the reply gets a whole `idle_s` after the queue has crossed)
 
             try:

@@ -19,7 +19,7 @@ import numpy as np
 
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.config import SyncerConfig
-from decoupled_diloco.core import compression, outer
+from decoupled_diloco.core import compression
 from decoupled_diloco.core.compression import Codec
 from decoupled_diloco.core.fragments import TensorSpec
 
@@ -82,11 +82,14 @@ def channel_options(config: SyncerConfig) -> list[tuple[str, int]]:
         # minutes), so that the client's own retries find it.
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
-        (
-            "grpc.http2.ping_timeout_ms",
-            int(max(60.0, PING_TIMEOUT_RPC_TIMEOUTS * config.rpc_timeout_s) * 1000),
-        ),
+        ("grpc.http2.ping_timeout_ms", _ms(PING_TIMEOUT_RPC_TIMEOUTS * config.rpc_timeout_s)),
+        # (a SETTINGS frame's acknowledgement waits behind the same queue)
+        ("grpc.http2.settings_timeout", _ms(PING_TIMEOUT_RPC_TIMEOUTS * config.rpc_timeout_s)),
     ]
+
+
+def _ms(seconds: float) -> int:
+    return int(max(60.0, seconds) * 1000)  # (never below gRPC's own default)
 
 
 _RAW = Codec("none")
@@ -192,19 +195,19 @@ def _le_bytes(a: np.ndarray) -> memoryview:
 def chunk_arrays(arrays: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[bytes]:
     """The arrays' little-endian bytes cut into chunks, copied once (no concatenated buffer).
 
-    An array may also be an `outer.Difference`: its bytes are computed as each chunk is cut.
+    An array may also be lazy, like `core.outer.Difference`: anything with `nbytes` and
+    `le_bytes(start, stop)`, whose bytes are computed as each chunk is cut.
     """
+    arrays = list(arrays)
     parts: list[memoryview | bytes] = []
     size = 0
     for a in arrays:
-        view = a if isinstance(a, outer.Difference) else _le_bytes(a)
-        total, start = a.nbytes if isinstance(a, outer.Difference) else len(view), 0
+        lazy = hasattr(a, "le_bytes")
+        view = None if lazy else _le_bytes(a)
+        total, start = (a.nbytes if lazy else len(view)), 0
         while start < total:
             take = min(chunk_bytes - size, total - start)
-            if isinstance(view, outer.Difference):
-                parts.append(view.le_bytes(start, start + take))
-            else:
-                parts.append(view[start : start + take])
+            parts.append(a.le_bytes(start, start + take) if lazy else view[start : start + take])
             size += take
             start += take
             if size == chunk_bytes:

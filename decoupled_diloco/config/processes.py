@@ -27,7 +27,7 @@ class SyncerConfig:
       rpc_timeout_s: deadline of one control RPC; a push or pull is cut once it moves nothing
         this long (however long it takes as a whole; a push's reply also waits for what a slow
         link still holds queued); also the longest a pull waits for a merge. gRPC's own ping
-        timeout is 10 times this (a ping waits behind the queue of a saturated link).
+        timeout is 10 times this, at least 60 s (a ping waits behind a saturated link's queue).
       retries: retries of a failed RPC (with backoff) before the learner reports an error.
       heartbeat_s: seconds between a learner's heartbeats.
       learner_timeout_s: a learner silent this long no longer counts towards the quorum.

@@ -59,8 +59,8 @@ class Difference:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """The whole difference (for a caller that wants it at once)."""
-        whole = self._a - self._x
-        return whole.reshape(self.shape) if dtype is None else whole.astype(dtype)
+        whole = (self._a - self._x).reshape(self.shape)
+        return whole if dtype is None else whole.astype(dtype)
 
     def le_bytes(self, start: int, stop: int) -> bytes:
         """Bytes [start, stop) of the difference's little-endian encoding, computed now."""

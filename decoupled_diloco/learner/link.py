@@ -15,7 +15,8 @@ then `flush(params)` and `close()`.
 
 One fragment's round trip: when fragment p is due (staggered schedule, `core.fragments`),
 `step_done` copies its tensors to the host (or encodes Δ on the mesh, `core.compression`) and a
-worker thread computes Δ = anchor_p − θ_p (`core.outer.outer_gradient`), pushes it (retried
+worker thread pushes Δ = anchor_p − θ_p (`core.outer.Difference`, computed a chunk at a time
+as it streams; retried
 through outages, `outbox.Outbox`), waits for the merge that holds it and leaves the merged values
 in the inbox. `apply_arrivals` merges them into the live parameters (`core.outer.merge_back`) at
 the first step boundary at least τ (`overlap_steps`) steps after the push (or on arrival,
@@ -90,6 +91,7 @@ class DecoupledSync:
     ):
         # Fragment-sized host buffers go back to the OS when freed (the learner process does
         # this first thing; here for a user's own loop, before the client's threads start).
+        # It sets the process's malloc (`runtime.tune_malloc`), not only this object's.
         runtime.tune_malloc()
         if client is None:
             if not syncer:
@@ -119,6 +121,10 @@ class DecoupledSync:
         self.specs = F.tensor_specs(abstract_params)
         self.cut = F.partition(self.specs, d.fragments)
         self.treedef = jax.tree.structure(abstract_params)
+        # The parameters' device memory is the host's (CPU): `device_get` returns views.
+        self.host_is_device = all(
+            d.platform == "cpu" for s in jax.tree.leaves(shardings) for d in s.device_set
+        )
         self.shardings = self.treedef.flatten_up_to(shardings)
         num = len(self.cut)
         self.outbox = Outbox(num, d.syncer.max_unsent, f"learner {learner_id}")

@@ -39,17 +39,21 @@ def launch(link: DecoupledSync, params: Any, p: int, final: bool = False) -> Non
         link.last_push[p] = link.step
     source = leaves
     if link.config.decoupled.keep_overlap and not final:
-        # A device copy: the next step donates these buffers. The push reads θ from it too: a
-        # host view of the parameters themselves (on CPU `device_get` copies nothing) would
-        # keep the next step from donating them, and it would allocate the fragment again.
-        link.at_push[p] = source = mesh_merge.device_copy(leaves)
+        # A device copy: the next step donates these buffers.
+        link.at_push[p] = mesh_merge.device_copy(leaves)
+        if link.host_is_device:
+            # On CPU `device_get` copies nothing: a view of the parameters would keep the next
+            # step from donating them (it would allocate the fragment again). A view of the
+            # overlap copy, kept until the merge anyway, costs nothing. (On an accelerator
+            # the host copy would be cached on it for as long: the parameters' is not.)
+            source = link.at_push[p]
     # Δ = reference − θ: from the anchor, or from θ where a lease handed again was covered.
     reference = link.anchor[p] if link.origin[p] is None else link.origin[p]
     if link.encoder.enabled:
         local = link.encoder.encode(p, reference, leaves)
         link.compress_s += time.perf_counter() - t0
     else:
-        # A host copy now: the next step donates (invalidates) these device buffers.
+        # θ on the host now (a copy, or on CPU a view): the next step donates the parameters.
         local = link._to_host(source)
     link.sync_host_s += time.perf_counter() - t0
     # Undelivered older pushes of p may be folded into this one (`Outbox`).
