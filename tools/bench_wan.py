@@ -50,6 +50,7 @@ import argparse
 import dataclasses
 import math
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gbps", default="", help="comma-separated scaled rates (default: 5,2,1,0.5; --quick: 2)"
     )
     args = parser.parse_args(argv)
+    # A stopped benchmark stops its running cell too (`runs.run_or_reuse`), whose launcher
+    # removes the namespaces it made.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     given = sys.argv[1:] if argv is None else argv
     shown = " ".join(["python -m tools.bench_wan", *given])  # as run, to run it again
     chosen = [x for x in args.settings.split(",") if x] or (QUICK if args.quick else [])

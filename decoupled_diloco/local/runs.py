@@ -104,7 +104,27 @@ def run_or_reuse(
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
         with (workdir / "train.log").open("w") as log:
             out = log if quiet else None
-            subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=out, stderr=out)
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=out)
+            try:
+                code = proc.wait()
+            except BaseException:  # stopped (a signal made SystemExit, Ctrl+C): stop it too
+                _stop(proc)
+                raise
+            if code:
+                raise subprocess.CalledProcessError(code, cmd)
     summary = json.loads((workdir / "summary.json").read_text())
     summary["command"] = shown(cmd)
     return summary
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """Stops a run: SIGTERM, then SIGKILL if it has not ended within `grace_s`.
+
+    SIGTERM first, so that the launcher tears down what it made (processes, namespaces).
+    """
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
