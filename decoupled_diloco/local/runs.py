@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -79,6 +80,9 @@ def run_or_reuse(
 ) -> dict[str, Any]:
     """Trains `config_file` with `overrides` in `workdir`, unless it already holds that run.
 
+    A workdir holding anything else (another config's run, or a run that was stopped) is
+    emptied first: the new run resumes no checkpoint of it.
+
     Args:
       config_file: a config file (`get_config()`), relative to the repository or absolute.
       overrides: `--config.KEY=VALUE` overrides, by dotted key.
@@ -99,6 +103,8 @@ def run_or_reuse(
     reuse = not rerun and finished(workdir, config)
     print(f"[{tag}]", "reusing" if reuse else "running", shown(cmd), flush=True)
     if not reuse:
+        # A stopped or older run's checkpoints would be resumed: a cell starts from nothing.
+        shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
