@@ -29,7 +29,7 @@ def leased_batches(
     seed: int,
     ask: Callable[[bool], Any],
     start: Callable[[Any], None],
-    on_idle: Callable[[], None],
+    on_idle: Callable[[], bool],
     stop: threading.Event,
     poll_s: float = 0.5,
     log: Callable[[str], None] = print,
@@ -44,7 +44,10 @@ def leased_batches(
       ask: asks the syncer for a lease (`SyncerClient.lease`); given whether everything
         trained so far has been pushed.
       start: called with a grant before its first batch (the link's `lease_started`).
-      on_idle: pushes everything trained so far (called before waiting for a lease).
+      on_idle: pushes everything trained so far (called before waiting for a lease, and
+        while waiting until it returns True: all of it delivered). Only then may the
+        syncer hand a hole in a lease this learner holds back to it (`flushed`): a push
+        still crossing a slow link would otherwise have its batches trained again.
       stop: set to stop at the next batch (a learner leaving).
       poll_s: how often to ask again while no lease is free.
       log: where lease changes are reported.
@@ -75,8 +78,7 @@ def leased_batches(
                 flushed = False
             elif grant.status == "wait":
                 if not flushed:
-                    on_idle()
-                    flushed = True
+                    flushed = on_idle()
                 stop.wait(poll_s)
             elif grant.status == "done":
                 return

@@ -160,11 +160,17 @@ class Learner:
         )
         return reply if reply is not None else types.SimpleNamespace(status="done")
 
-    def _idle(self) -> None:
-        """No lease free yet: pushes everything trained so far, then waits for one."""
-        self._mark("blocked", self.step)
-        self.flush_since_step += self.sync.flush()
-        self._mark("waiting", self.step)
+    def _idle(self) -> bool:
+        """No lease free yet: pushes everything trained so far; whether all of it is delivered.
+
+        The flush waits a bounded time; called again while the answer is False, it only
+        says whether the pushes still crossing have been delivered since.
+        """
+        if any(self.sync.steps_since):
+            self._mark("blocked", self.step)
+            self.flush_since_step += self.sync.flush()
+            self._mark("waiting", self.step)
+        return self.sync.outbox.unsent() == 0
 
     def _mark(self, state: str, step: int = -1) -> None:
         """Records a state change (`self.state`), and in the timeline if any."""
