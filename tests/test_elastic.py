@@ -412,3 +412,33 @@ def test_scale_requests_are_taken_once_in_order_and_bad_ones_are_named(tmp_path)
     assert taken[:2] == [{"action": "join", "learner": -1}, {"action": "leave", "learner": 1}]
     assert taken[2]["action"] == "invalid" and "grow" in taken[2]["error"]
     assert scaling.take(tmp_path) == []
+
+
+def test_a_learner_says_it_has_flushed_only_once_its_pushes_are_delivered():
+    # On a slow link the final flush's bounded wait ends while the last push still crosses:
+    # asking "flushed" then would hand that lease's hole back to this learner, which would
+    # train it again (its push then refused as covered). It says so only once delivered.
+    import itertools
+    import threading
+
+    from decoupled_diloco.learner import leases
+    from decoupled_diloco.syncer.ledger import Grant
+
+    class Data:
+        def train_iterator(self, batch_size, lease, shards, seed):
+            return itertools.count()
+
+    grants = iter([Grant("granted", 0, 0, 2, 1), Grant("wait"), Grant("wait"), Grant("wait")])
+    asked, delivered = [], iter([False, False, True])
+    stop = threading.Event()
+
+    def ask(flushed):
+        asked.append(flushed)
+        return next(grants, Grant("done"))
+
+    batches = leases.leased_batches(
+        Data(), 1, 0, ask, lambda grant: None, lambda: next(delivered), stop, poll_s=0.0,
+        ahead=False,
+    )  # fmt: skip
+    assert [where for _, where in batches] == [(0, 0), (0, 1)]
+    assert asked == [False, False, False, False, True]
