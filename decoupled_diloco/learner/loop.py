@@ -163,10 +163,11 @@ class Learner:
     def _idle(self) -> bool:
         """No lease free yet: pushes everything trained so far; whether all of it is delivered.
 
-        The flush waits a bounded time; called again while the answer is False, it only
-        says whether the pushes still crossing have been delivered since.
+        The flush (its wait bounded) is the first call's of a wait for a lease, which the
+        timeline shows as blocked, then waiting; called again while the answer is False, it
+        only says whether the pushes still crossing have been delivered since.
         """
-        if any(self.sync.steps_since):
+        if self.state != "waiting":
             self._mark("blocked", self.step)
             self.flush_since_step += self.sync.flush()
             self._mark("waiting", self.step)
