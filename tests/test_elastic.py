@@ -99,6 +99,69 @@ def test_pushes_must_name_leases_their_learner_was_handed_and_count_their_steps(
     assert "never handed" in elastic.check_data(state, 0, 3, [[1, 0, 3]])
     assert "steps=2" in elastic.check_data(state, 0, 2, [[0, 0, 3]])
     assert "outside" in elastic.check_data(state, 0, 30, [[0, 0, 30]])
+    # A constant global batch counts units of rows: a step trains 1 .. 2 x 8 of them (all of
+    # the 2 starting learners' batch, 8 rows each, when one learner is left).
+    config = config_lib.replace(config, **{"decoupled.global_batch": "constant"})
+    state = SyncerState(config, *initial_fragments(config))
+    state.register(0, "1x1")
+    assert elastic.lease(state, 0, False).end == 2 * 20 * 8 // 4
+    assert elastic.check_data(state, 0, 3, [[0, 0, 3]]) is None
+    assert elastic.check_data(state, 0, 3, [[0, 0, 40]]) is None
+    assert "steps=3 train 3..48" in elastic.check_data(state, 0, 3, [[0, 0, 2]])
+    assert "steps=2 train 2..32" in elastic.check_data(state, 0, 2, [[0, 0, 40]])
+
+
+def test_a_constant_global_batch_is_split_by_the_live_learners_in_whole_units():
+    config = tiny_config(
+        mode="decoupled",
+        num_learners=4,
+        **{"data.batch_size": 16, "decoupled.global_batch": "constant"},
+    )
+    assert config_lib.lease_unit(config) == 1  # 1x1 meshes: a row
+    assert config_lib.budget_units(config) == 4 * 8 * 16
+    # 64 rows a step in all: 16 each of 4, 11 each of 6 (66), 21 each of 3 (63).
+    assert [config_lib.units_per_step(config, n) for n in (4, 6, 3, 1, 100)] == [16, 11, 21, 64, 1]
+    two = config_lib.replace(config, **{"decoupled.mesh_shapes": "2x1,1x1,1x1,1x1"})
+    assert config_lib.lease_unit(two) == 2 and config_lib.units_per_step(two, 6) == 5
+    odd = config_lib.replace(two, **{"decoupled.lease_unit": 1})
+    with pytest.raises(config_lib.ConfigError, match=r"lease_unit.*data-parallel size \[1, 2\]"):
+        config_lib.lease_unit(odd)
+    with pytest.raises(config_lib.ConfigError, match="decoupled.lease_unit"):
+        config_lib.validate(config_lib.replace(config, **{"decoupled.lease_unit": 3}))
+    with pytest.raises(config_lib.ConfigError, match="decoupled.global_batch"):
+        config_lib.validate(config_lib.replace(config, **{"decoupled.global_batch": "fixed"}))
+    per_learner = config_lib.replace(config, **{"decoupled.global_batch": "per_learner"})
+    assert config_lib.lease_unit(per_learner) == 16
+    assert [config_lib.units_per_step(per_learner, n) for n in (1, 4, 6)] == [1, 1, 1]
+
+
+def test_leased_steps_end_at_lease_ends_and_at_positions_a_fragment_covers():
+    import threading
+
+    from decoupled_diloco.learner import leases
+    from decoupled_diloco.syncer.ledger import Grant
+
+    class Data:
+        def train_iterator(self, batch_size, lease, shards, seed):
+            rows = np.arange(100 * batch_size).reshape(100, batch_size) + 1000 * lease
+            return iter(rows[:, :, None])  # units of (batch_size, 1) rows
+
+    # Lease 3 handed again from unit 2, one fragment covering it to 7, the other to 2; then
+    # lease 5 whole.
+    grants = iter([Grant("granted", 3, 2, 12, 8, [7, 2]), Grant("granted", 5, 0, 6, 8, [0, 0])])
+    per_step = iter([4, 4, 4, 4, 4, 2, 2, 2])
+    steps = list(
+        leases.leased_batches(
+            Data(), 2, 0, lambda flushed: next(grants, Grant("done")), lambda grant: None,
+            lambda: True, threading.Event(), ahead=False, units_per_step=lambda: next(per_step),
+        )
+    )  # fmt: skip
+    assert [where for _, where in steps] == [
+        [[3, 2, 6]], [[3, 6, 7]], [[3, 7, 11]], [[3, 11, 12]], [[5, 0, 4]], [[5, 4, 6]],
+    ]  # fmt: skip
+    first, _ = steps[0]
+    assert first.shape == (8, 1)  # 4 units of 2 rows, in the shard's order
+    np.testing.assert_array_equal(first[:, 0], 3000 + np.arange(4, 12))
 
 
 def test_a_slow_learner_keeps_its_lease_and_data_handed_again_is_never_merged_twice():
@@ -440,5 +503,5 @@ def test_a_learner_says_it_has_flushed_only_once_its_pushes_are_delivered():
         Data(), 1, 0, ask, lambda grant: None, lambda: next(delivered), stop, poll_s=0.0,
         ahead=False,
     )  # fmt: skip
-    assert [where for _, where in batches] == [(0, 0), (0, 1)]
+    assert [where for _, where in batches] == [[[0, 0, 1]], [[0, 1, 2]]]
     assert asked == [False, False, False, False, True]

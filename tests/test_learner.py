@@ -343,6 +343,68 @@ def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arriv
         cluster.close()
 
 
+def test_a_learner_that_starts_late_takes_the_push_phase_of_the_one_ahead():
+    from decoupled_diloco.learner.schedule import Schedule
+
+    schedule = Schedule(4, 8)  # fragment p due at (p + 1) * 2 mod 8
+    schedule.align(0, 13.2)  # the other is at step 13: its next pushes at 14, 16, 18, 20
+    assert schedule.next_due == [5, 7, 1, 3]
+    assert [schedule.due(s) for s in range(1, 8)] == [[2], [], [3], [], [0], [], [1]]
+
+    # Over gRPC: learner 1 hears from the syncer where learner 0 is, and its first step
+    # takes learner 0's phase.
+    config = _config(inner_steps=8, **{"decoupled.fragments": 4})
+    cluster = _Cluster(config)
+    try:
+        (zero, _), (one, params) = cluster.join(0), cluster.join(1)
+        zero.sync.client.heartbeat(learner_id=0, step=40, state="training", step_time_s=0.5)
+        reply = one.sync.client.heartbeat(learner_id=1, step=0, state="training")
+        assert reply.live_learners == 2
+        assert 40 <= reply.lead_step < 44  # 40, and the time since over 0.5 s a step
+        one.sync.lead = (40.0, time.perf_counter(), 0.0)
+        one.sync.step_done(params, 64)
+        assert one.sync.schedule.next_due == [1 + 2, 1 + 4, 1 + 6, 1 + 8]  # as 40's: 42, 44...
+        alone = one.sync.client.heartbeat(learner_id=0, step=41, state="training")
+        assert alone.lead_step == -1.0  # learner 1 has no step time yet: none to follow
+    finally:
+        cluster.close()
+
+
+def test_steps_of_several_units_before_a_covered_position_never_reach_a_push():
+    # A constant global batch: a step trains several ledger units. Lease 0 comes back with
+    # fragment 0's pushes holding units 0..5: the steps over them are not counted, the next
+    # push holds the units after, and its outer gradient counts from θ at unit 6.
+    config = _config(
+        inner_steps=4,
+        train_steps=20,
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 2,
+            "decoupled.data_shards": 4,
+            "decoupled.global_batch": "constant",
+        },
+    )
+    cluster = _Cluster(config)
+    try:
+        zero, params = cluster.join(0)
+        state = cluster.server.state
+        state.register(1, "1x1")  # a second learner that never pushes: no round closes
+        grant = zero.sync.client.lease(0)
+        assert (grant.lease, grant.begin, grant.end, grant.live_learners) == (0, 0, 80, 2)
+        zero.sync.lease_started(0, 0, [6])
+        zero.sync.step_done(_shift(params, -0.25), 64, data=[[0, 0, 3]])
+        zero.sync.step_done(_shift(params, -0.5), 64, data=[[0, 3, 6]])  # θ at the covered end
+        zero.sync.step_done(_shift(params, -0.6), 80, data=[[0, 6, 9]])
+        zero.sync.step_done(_shift(params, -0.75), 80, data=[[0, 9, 14]])  # step 4: a push
+        _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's push")
+        pending = cluster.fragment(0).pending[0]
+        assert (pending.steps, pending.tokens, pending.data) == (2, 160, [[0, 6, 14]])
+        for delta in state.pending_gradient(0, 0):
+            np.testing.assert_allclose(delta, 0.25, rtol=1e-5)
+    finally:
+        cluster.close()
+
+
 def test_steps_refused_as_covered_never_reach_a_later_push():
     # Lease 0 was handed to learner 1 while learner 0, its first holder, was only slow: both
     # trained its first batches. Learner 1's push of them is taken; learner 0's is refused as

@@ -66,6 +66,8 @@ def membership_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[st
             "num_learners": 4, "train_steps": args.steps, "eval.every": 0, "log_every": 100,
             "decoupled.max_learners": 6, "seed": seed,
         }  # fmt: skip
+        if args.global_batch:
+            common["decoupled.global_batch"] = args.global_batch
         tag = "" if seed == 0 else f"_seed{seed}"
         fixed = run(root / f"fixed4{tag}", CONFIG, common)
         elastic = run(root / f"elastic{tag}", CONFIG, {**common, "chaos": schedule})
@@ -85,7 +87,8 @@ def membership_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[st
         f"tiny_lm_decoupled (its defaults), M=4 starting, {args.steps} steps' worth of batches "
         f"per starting learner, {shards} data leases. Learners 4 and 5 join (fresh inner "
         f"optimizer state) at learner 0's step {args.join_at}; learners 0, 1, 2 leave "
-        f"(SIGTERM) each at its own step {args.leave_at}.",
+        f"(SIGTERM) each at its own step {args.leave_at}. Global batch: "
+        f"{runs.resolve(CONFIG, common).decoupled.global_batch} (`decoupled.global_batch`).",
         "",
         "| seed | run | wall s | goodput | uptime | tokens | final eval loss | data ledger |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
@@ -157,6 +160,10 @@ def main() -> None:
     parser.add_argument("--repair", type=float, default=10.0)
     parser.add_argument("--horizon", type=float, default=3600.0)
     parser.add_argument("--seed", type=int, default=0, help="MTBF: the schedule's and run's")
+    parser.add_argument(
+        "--global_batch", default="", choices=["", "per_learner", "constant"],
+        help="membership: decoupled.global_batch of both runs ('': the config's)",
+    )  # fmt: skip
     parser.add_argument(
         "--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1],
         help="membership: the seeds of the fixed/elastic pairs",

@@ -77,12 +77,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., sync_rounds: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("versions", "fastest_step_time_s")
+    __slots__ = ("versions", "fastest_step_time_s", "live_learners", "lead_step")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FASTEST_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    LEAD_STEP_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     fastest_step_time_s: float
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., fastest_step_time_s: _Optional[float] = ...) -> None: ...
+    live_learners: int
+    lead_step: float
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., fastest_step_time_s: _Optional[float] = ..., live_learners: _Optional[int] = ..., lead_step: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -113,20 +117,22 @@ class LeaseRequest(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., flushed: _Optional[bool] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("status", "lease", "begin", "end", "num_shards", "covered")
+    __slots__ = ("status", "lease", "begin", "end", "num_shards", "covered", "live_learners")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     COVERED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
     status: str
     lease: int
     begin: int
     end: int
     num_shards: int
     covered: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, status: _Optional[str] = ..., lease: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., num_shards: _Optional[int] = ..., covered: _Optional[_Iterable[int]] = ...) -> None: ...
+    live_learners: int
+    def __init__(self, status: _Optional[str] = ..., lease: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., num_shards: _Optional[int] = ..., covered: _Optional[_Iterable[int]] = ..., live_learners: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("learner_id", "fragment", "round", "base_version", "steps", "tokens", "tensors", "total_bytes", "incarnation", "data")

@@ -20,12 +20,15 @@ import ml_collections
 
 from decoupled_diloco.config.checks import check
 from decoupled_diloco.config.derived import (
+    budget_units,
     data_leases,
     lease_shards,
+    lease_unit,
     max_learners,
     mesh_shape_for,
     overlap_steps,
     parse_mesh_shapes,
+    units_per_step,
 )
 from decoupled_diloco.config.processes import (
     COMPRESSION_SCHEMES,
@@ -82,7 +85,10 @@ __all__ = [
     "as_config_dict",
     "data_leases",
     "from_config_dict",
+    "budget_units",
     "lease_shards",
+    "lease_unit",
+    "units_per_step",
     "max_learners",
     "mesh_shape_for",
     "overlap_steps",

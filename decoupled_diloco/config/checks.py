@@ -64,6 +64,22 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
         f"must be in [0, 65536] (0: static shards), got {d.data_shards}",
     )
     _check(
+        d.global_batch in ("per_learner", "constant"),
+        "decoupled.global_batch",
+        f"expected 'per_learner' or 'constant', got {d.global_batch!r}",
+    )
+    _check(
+        d.lease_unit >= 0 and (d.lease_unit == 0 or c.data.batch_size % d.lease_unit == 0),
+        "decoupled.lease_unit",
+        f"must be 0 or divide data.batch_size={c.data.batch_size}, got {d.lease_unit}",
+    )
+    _check(
+        d.global_batch == "per_learner" or d.island_processes == 1,
+        "decoupled.global_batch",
+        "'constant' needs single-process islands (island_processes=1): the processes of one "
+        "island would each hear the live count at another time",
+    )
+    _check(
         d.stale_anchor in ("syncer", "learner"),
         "decoupled.stale_anchor",
         f"expected 'syncer' or 'learner', got {d.stale_anchor!r}",

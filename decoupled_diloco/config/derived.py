@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from decoupled_diloco.config.schema import ConfigError, ExperimentConfig
 
 
@@ -60,6 +62,44 @@ def lease_shards(config: ExperimentConfig) -> int:
     """
     budget = config.num_learners * config.train_steps
     return max(1, min(config.decoupled.data_shards, budget // max(config.inner_steps, 1)))
+
+
+def lease_unit(config: ExperimentConfig) -> int:
+    """Rows of one unit of the data ledger: a batch, or `decoupled.lease_unit` ("constant").
+
+    Raises:
+      ConfigError: the unit does not divide `data.batch_size`, or some learner's data-parallel
+        size does not divide it (its steps could not be split over its devices).
+    """
+    d, rows = config.decoupled, config.data.batch_size
+    if d.global_batch != "constant":
+        return rows
+    sizes = [data for data, _ in parse_mesh_shapes(config)] + [config.mesh.shape[0]]
+    unit = d.lease_unit or math.lcm(*sizes)
+    if rows % unit or any(unit % s for s in sizes):
+        raise ConfigError(
+            f"config.decoupled.lease_unit: a unit of {unit} rows must divide data.batch_size="
+            f"{rows} and be a multiple of every learner's data-parallel size {sorted(set(sizes))}"
+        )
+    return unit
+
+
+def budget_units(config: ExperimentConfig) -> int:
+    """The run's budget in ledger units: `num_learners` · `train_steps` batches."""
+    return config.num_learners * config.train_steps * config.data.batch_size // lease_unit(config)
+
+
+def units_per_step(config: ExperimentConfig, live: int) -> int:
+    """Ledger units one leased step trains with `live` learners training.
+
+    "per_learner": one (a batch). "constant": the global batch (`num_learners` batches) over
+    the live learners, rounded to whole units, at least one.
+    """
+    unit = lease_unit(config)
+    per_batch = config.data.batch_size // unit
+    if config.decoupled.global_batch != "constant":
+        return per_batch
+    return max(1, round(per_batch * config.num_learners / max(live, 1)))
 
 
 def data_leases(config: ExperimentConfig) -> bool:

@@ -159,6 +159,23 @@ class DecoupledConfig:
         skipped when it restarts; no joins). Fewer leases where one would hold fewer than
         `inner_steps` batches. Leases need one syncer shard: with
         `syncer.shards` > 1 the shards are static.
+      global_batch: with data leases, what stays fixed while membership changes.
+        "per_learner": every step trains one batch of `data.batch_size` rows, so the rows
+        all live learners train per step (the global batch) grow and shrink with them.
+        "constant": the global batch stays `num_learners` · `data.batch_size` rows: the
+        ledger counts units of `lease_unit` rows and a learner trains about
+        `num_learners` · `data.batch_size` / live learners rows per step (whole units, at
+        least one; the live count is the syncer's, told in every heartbeat and lease
+        reply), so that every outer round holds the same data whatever the membership.
+        Each new batch shape compiles the step once. Not for multi-process islands.
+      align_phase: a learner that starts its loop while others train (a join, a restart)
+        takes the push phase of the most advanced live learner (`Schedule.align`, from the
+        syncer's `lead_step` in heartbeat replies), so that its pushes of a round arrive with
+        theirs and are merged together. Off: its fragments are due by its own step count.
+        Single-process islands only (the processes of one island would hear it apart).
+      lease_unit: "constant": rows the ledger counts as one unit; it must divide
+        `data.batch_size` and be a multiple of every learner's data-parallel size. 0: the
+        least common multiple of the data-parallel sizes of `mesh_shapes`.
       syncer: the syncer's address, security, transport and timing.
     """
 
@@ -181,6 +198,9 @@ class DecoupledConfig:
     wan_sites: str = "learner"
     max_learners: int = 0
     data_shards: int = 64
+    global_batch: str = "per_learner"
+    align_phase: bool = True
+    lease_unit: int = 0
     syncer: SyncerConfig = SyncerConfig()
 
 

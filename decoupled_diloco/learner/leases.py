@@ -19,8 +19,13 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
+import jax
+import numpy as np
+
 Batch = Any
-Where = tuple[int, int] | None  # (lease, position) of a leased batch
+# Where a step's data is from: [[lease, begin, end), ...] ledger units (`syncer.ledger`), or
+# None (static shards).
+Where = list[list[int]] | None
 
 
 def leased_batches(
@@ -34,12 +39,19 @@ def leased_batches(
     poll_s: float = 0.5,
     log: Callable[[str], None] = print,
     ahead: bool = True,
+    units_per_step: Callable[[], int] = lambda: 1,
 ) -> Iterator[tuple[Batch, Where]]:
-    """Batches of the leases the syncer hands out, each with its (lease, position).
+    """Steps' batches from the leases the syncer hands out, each with its data ranges.
+
+    A step trains `units_per_step()` ledger units (asked anew for each step), concatenated
+    (one unit: as drawn); a step ends early at the end of a lease and where a lease handed
+    again is covered by some fragment (`Grant.covered`), so that no step's data is partly
+    covered for a fragment (`DecoupledSync.lease_started`).
 
     Args:
       dataset: the run's `Dataset` (its `train_iterator(batch_size, k, S, seed)` is lease k).
-      batch_size: rows per batch.
+      batch_size: rows per ledger unit (`config.lease_unit`: a batch, unless the global batch
+        is constant).
       seed: the run's seed (the data order within each shard).
       ask: asks the syncer for a lease (`SyncerClient.lease`); given whether everything
         trained so far has been pushed.
@@ -54,6 +66,7 @@ def leased_batches(
       ahead: as a lease starts, ask for the next one in a thread, so that a syncer outage at
         a lease's end does not stop training (a learner holds at most two leases). A
         multi-process island, whose processes must ask together, asks at the lease's end.
+      units_per_step: how many units the next step trains (`config.units_per_step`).
     """
     flushed = False
     pool = futures.ThreadPoolExecutor(1, thread_name_prefix="lease-ahead") if ahead else None
@@ -71,10 +84,18 @@ def leased_batches(
                     next(batches)
                 if grant.begin:
                     log(f"lease {grant.lease} from batch {grant.begin} of {grant.end} (again)")
-                for position in range(grant.begin, grant.end):
+                cuts = {c for c in grant.covered if grant.begin < c < grant.end}
+                position = grant.begin
+                while position < grant.end:
                     if stop.is_set():
                         return
-                    yield next(batches), (grant.lease, position)
+                    end = min(
+                        [grant.end, position + max(units_per_step(), 1)]
+                        + [c for c in cuts if c > position]
+                    )
+                    units = [next(batches) for _ in range(end - position)]
+                    yield _concatenate(units), [[grant.lease, position, end]]
+                    position = end
                 flushed = False
             elif grant.status == "wait":
                 if not flushed:
@@ -91,6 +112,13 @@ def leased_batches(
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _concatenate(units: list[Batch]) -> Batch:
+    """One batch of consecutive units (arrays, or dicts of arrays, with a leading batch axis)."""
+    if len(units) == 1:
+        return units[0]
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *units)
 
 
 def static_batches(

@@ -74,6 +74,8 @@ class DecoupledSync:
       on_state: called with "waiting" while `connect` waits (a timeline's `enter`).
     """
 
+    aligns = True  # may take a learner ahead's push phase (`decoupled.align_phase`)
+
     def __init__(
         self,
         config: ExperimentConfig,
@@ -140,6 +142,14 @@ class DecoupledSync:
         # its pushes already hold the batches; the fragment's outer gradient then counts from
         # θ after that position (`origin`, a host copy) instead of from its anchor.
         self.skip: dict[int, tuple[int, int]] = {}
+        # Learners training now, as the syncer last said (heartbeat and lease replies; 0: not
+        # heard yet): a constant global batch is split by it (`config.units_per_step`).
+        self.live = 0
+        # The most advanced other learner's step as last heard (step, perf_counter then, its
+        # step time), from heartbeat replies; and the step from which this learner would take
+        # its push phase (`Schedule.align`; None: done, or off).
+        self.lead: tuple[float, float, float] | None = None
+        self._align_from: int | None = None
         self.origin: list[list[np.ndarray] | None] = [None] * num
         # Fragments whose last push the syncer refused as "covered" (its data is in the global
         # model already): the next step drops what they trained since and counts from θ then.
@@ -211,6 +221,7 @@ class DecoupledSync:
         """
         self.step, self.tokens = step, tokens
         self.schedule.resume(step)
+        self._align_from = step if self.config.decoupled.align_phase and self.aligns else None
         leaves = self.treedef.flatten_up_to(params)
         for p, frag in enumerate(self.cut):
             for spec, value in zip(frag, self.anchor[p], strict=True):
@@ -304,7 +315,11 @@ class DecoupledSync:
         return jax.tree.unflatten(self.treedef, leaves)
 
     def step_done(
-        self, params: Params, tokens: int, loss: Any = None, data: tuple[int, int] | None = None
+        self,
+        params: Params,
+        tokens: int,
+        loss: Any = None,
+        data: tuple[int, int] | list[list[int]] | None = None,
     ) -> None:
         """Counts one finished inner step of `tokens` tokens; pushes the fragments now due.
 
@@ -312,14 +327,19 @@ class DecoupledSync:
           params: the parameters after the step (device arrays; not modified).
           tokens: tokens the step trained on (all of this learner's devices together).
           loss: the step's loss (a device scalar is fine: read only by heartbeats).
-          data: (lease, position) of the leased batch the step trained on (`syncer.ledger`;
-            the built-in learner's, see `learner.leases`), or None.
+          data: the ledger units the step trained on (`syncer.ledger`; the built-in
+            learner's, see `learner.leases`): [[lease, begin, end), ...], or (lease, position)
+            for one unit; or None. With a lease handed again, no range may straddle a
+            fragment's `covered` position (`leases.leased_batches` cuts its steps there).
         """
         if self._initial is not None:
             raise RuntimeError(
                 "DecoupledSync.step_done before the first apply_arrivals: train from the "
                 "global values it returns (params = sync.apply_arrivals(params))"
             )
+        if isinstance(data, tuple):  # one unit
+            data = [[data[0], data[1], data[1] + 1]]
+        ranges = data or []
         self.step += 1
         self.tokens += tokens
         self._last = params
@@ -330,24 +350,43 @@ class DecoupledSync:
                 self.covered.discard(p)
                 self._restart_count(params, p)
                 continue
-            if data is not None and p in self.skip and self.skip[p][0] == data[0]:
-                if data[1] + 1 >= self.skip[p][1]:  # covered up to here: count from θ now
+            skipped = p in self.skip and [r for r in ranges if r[0] == self.skip[p][0]]
+            if skipped:  # covered data: not counted
+                if max(r[2] for r in skipped) >= self.skip[p][1]:  # covered to here: from θ
                     del self.skip[p]
                     leaves = F.gather(self.treedef.flatten_up_to(params), self.cut[p])
                     self.origin[p] = self._to_host(leaves)
                 continue
             self.steps_since[p] += 1
             self.tokens_since[p] += tokens
-            if data is not None:
-                ranges = self.data_since[p]
-                if ranges and ranges[-1][0] == data[0] and ranges[-1][2] == data[1]:
-                    ranges[-1][2] += 1
+            since = self.data_since[p]
+            for lease, begin, end in ranges:
+                if since and since[-1][0] == lease and since[-1][2] == begin:
+                    since[-1][2] = end
                 else:
-                    ranges.append([data[0], data[1], data[1] + 1])
+                    since.append([lease, begin, end])
         self.schedule.step_finished(self.step)
+        if self._align_from is not None:
+            self._align()
         for p in self.schedule.due(self.step):
             if self.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
                 self._launch(params, p)
+
+    def _align(self) -> None:
+        """Takes the push phase of a learner ahead, once, at the first step it is known.
+
+        Given up after one round without word (no other learner measured yet: a run's start,
+        where all start in phase anyway).
+        """
+        if self.lead is not None:
+            lead, heard, step_s = self.lead
+            if lead >= 0 and step_s > 0:
+                lead += (time.perf_counter() - heard) / step_s
+            if lead > self.step:
+                self.schedule.align(self.step, lead)
+            self._align_from = None
+        elif self.step - self._align_from > self.config.inner_steps:
+            self._align_from = None
 
     def _restart_count(self, params: Params, p: int) -> None:
         """Fragment p's outer gradient counts from θ now; what it counted since is dropped.

@@ -27,7 +27,13 @@ from decoupled_diloco import planning, runtime
 from decoupled_diloco.comm.faulty_link import DegradedLink
 from decoupled_diloco.comm.retry import retry
 from decoupled_diloco.comm.shards import syncer_client
-from decoupled_diloco.config import ExperimentConfig, data_leases, mesh_shape_for
+from decoupled_diloco.config import (
+    ExperimentConfig,
+    data_leases,
+    lease_unit,
+    mesh_shape_for,
+    units_per_step,
+)
 from decoupled_diloco.data.dataset import check_checkpointable, load_dataset
 from decoupled_diloco.island import Island
 from decoupled_diloco.learner import leases, recovery
@@ -151,6 +157,7 @@ class Learner:
 
     def _lease_started(self, grant: Any) -> None:
         """A lease's first batch is drawn (`DecoupledSync.lease_started`)."""
+        self.sync.live = getattr(grant, "live_learners", 0) or self.sync.live
         self.sync.lease_started(grant.lease, grant.begin, list(grant.covered))
 
     def _ask(self, flushed: bool) -> Any:
@@ -188,6 +195,12 @@ class Learner:
         c = self.config
         dataset = load_dataset(c, task=self.island.task)  # the task's, or the config's data
         leased = data_leases(c)
+        data_size = dict(self.island.mesh.shape).get("data", 1)
+        if leased and lease_unit(c) % data_size:
+            raise ValueError(
+                f"learner {self.id}: a ledger unit of {lease_unit(c)} rows "
+                f"(decoupled.lease_unit) cannot be split over its {data_size} data devices"
+            )
         batches = None  # static shards: this learner's iterator (checkpointed with it)
         if not leased:
             if self.id >= c.num_learners:  # its static shard would be another learner's
@@ -217,7 +230,7 @@ class Learner:
         if leased:
             source = leases.leased_batches(
                 dataset,
-                c.data.batch_size,
+                lease_unit(c),
                 c.seed,
                 self._ask,
                 self._lease_started,
@@ -225,6 +238,7 @@ class Learner:
                 self.leaving,
                 log=lambda line: print(f"[learner {self.id}] {line}", flush=True),
                 ahead=self.lease_ahead,
+                units_per_step=lambda: units_per_step(c, self.sync.live or c.num_learners),
             )
         else:
             source = leases.static_batches(
@@ -240,8 +254,9 @@ class Learner:
         last_step = -1 if leased else c.train_steps  # with leases: when the budget is covered
         t_start = time.perf_counter()
         for step, (batch, where) in enumerate(source, start=self.step + 1):
-            if where is not None and where[0] not in self.leases_trained[-1:]:
-                self.leases_trained.append(where[0])
+            for lease, _, _ in where or []:
+                if lease not in self.leases_trained[-1:]:
+                    self.leases_trained.append(lease)
             state = state._replace(params=self.sync.apply_arrivals(state.params))
             first = not self._compiled  # this process's first step compiles
             self._mark("compiling" if first else "stepping", step)
@@ -261,7 +276,14 @@ class Learner:
                 self.startup["first_step"] = time.time()
                 print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
             self._compiled = True
-            self.sync.step_done(state.params, tokens_per_step, loss, data=where)
+            tokens = (
+                tokens_per_step
+                if where is None
+                else self.island.task.tokens_per_step(
+                    sum(end - begin for _, begin, end in where) * lease_unit(c)
+                )
+            )
+            self.sync.step_done(state.params, tokens, loss, data=where)
             self.flush_since_step = 0.0
             if self.checkpoints is not None and self.checkpoints.due(step, last_step):
                 # Dispatched steps finish first: their compute is stepping time, not saving.

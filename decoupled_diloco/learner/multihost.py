@@ -154,6 +154,8 @@ class MultihostSync(DecoupledSync):
       group: this process's place in the island.
     """
 
+    aligns = False  # its processes would hear the lead's step at different times
+
     def __init__(self, *args: Any, group: ProcessGroup, **kwargs: Any):
         self.group = group
         # (step, fragment, version, digest of this process's shards) after each merge: equal

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class Heartbeats:
                 sync_rounds=len(link.round_log),
             )
             link.schedule.fastest_step_s = reply.fastest_step_time_s
+            link.live = reply.live_learners or link.live
+            link.lead = (reply.lead_step, time.perf_counter(), reply.fastest_step_time_s)
         except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
             print(f"[learner {link.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)
 

@@ -47,6 +47,18 @@ class Schedule:
         """The schedule from `step` on (a fresh start, or steps restored from a checkpoint)."""
         self.next_due = reschedule(step, self.num_fragments, self.inner_steps)
 
+    def align(self, step: int, lead: float) -> None:
+        """Takes the push phase of a learner at step `lead` (this one being at `step`).
+
+        Each fragment is next due when the other learner's would be, counted in this
+        learner's steps: a learner that starts late (joins, restarts) then pushes each
+        fragment with the others, in the same merges, instead of out of phase (where each
+        group's merges would hold only its own pushes).
+        """
+        lead_at = int(round(lead))
+        ahead = reschedule(lead_at, self.num_fragments, self.inner_steps)
+        self.next_due = [step + at - lead_at for at in ahead]
+
     def due(self, step: int) -> list[int]:
         """The fragments due after `step`; schedules each one's next push."""
         due = [p for p, at in enumerate(self.next_due) if step >= at]

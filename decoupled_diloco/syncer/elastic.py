@@ -2,10 +2,10 @@
 
 Functions of a `SyncerState` (its `learners`, `ledger`, `membership`), called under its lock
 or taking it: `register` and `heartbeat` record a learner's (re)registration and progress
-(the state's methods of those names call them), `live_learners` and `fastest_step_time` read
-them; `lease` hands a learner a lease (`syncer.ledger`), `check_data` admits a push's data
-ranges, `log_membership` / `check_membership` record joins, restarts, leaves (a learner that
-said done) and losses (silent past `learner_timeout_s`).
+(the state's methods of those names call them), `live_learners`, `live_count`, `lead_step`
+and `fastest_step_time` read them; `lease` hands a learner a lease (`syncer.ledger`),
+`check_data` admits a push's data ranges, `log_membership` / `check_membership` record joins,
+restarts, leaves (a learner that said done) and losses (silent past `learner_timeout_s`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from decoupled_diloco.config import units_per_step
 from decoupled_diloco.syncer import ledger as ledger_lib
 from decoupled_diloco.syncer.records import LearnerInfo
 
@@ -29,6 +30,29 @@ def live_learners(state: Any, now: float) -> list[int]:
         for i, info in state.learners.items()
         if info.state != "done" and now - info.last_seen <= timeout
     ]
+
+
+def live_count(state: Any) -> int:
+    """How many learners are training now (`live_learners`): a constant global batch's split."""
+    with state.lock:
+        return len(state.live_learners(state.clock()))
+
+
+def lead_step(state: Any, learner_id: int) -> float:
+    """The most advanced other live learner's step, extrapolated to now (-1: none measured).
+
+    From each live learner's last heartbeat: its step plus the time since over its step time
+    (at most `learner_timeout_s` of it). A learner starting its loop takes this one's push
+    phase (`Schedule.align`), so that pushes of the same round arrive together.
+    """
+    with state.lock:
+        now = state.clock()
+        steps = [
+            info.step + (now - info.last_seen) / info.step_time_s
+            for i, info in state.learners.items()
+            if i != learner_id and i in state.live_learners(now) and info.step_time_s > 0
+        ]
+        return max(steps, default=-1.0)
 
 
 def fastest_step_time(state: Any) -> float:
@@ -94,6 +118,7 @@ def lease(state: Any, learner_id: int, flushed: bool) -> ledger_lib.Grant:
             state.learners[learner_id].last_seen = state.clock()
         live = state.live_learners(state.clock())
         grant = state.ledger.grant(learner_id, live, flushed, pending_ranges(state))
+        grant.live = len(live)
         if grant.status == "granted":
             state._changed("lease", learner_id, grant.lease)
         return grant
@@ -103,7 +128,8 @@ def check_data(state: Any, learner_id: int, steps: int, data: list[list[int]]) -
     """Why a push's data ranges are refused (None: none given, or they are sound).
 
     They must lie inside leases the learner was handed, and count its inner steps: one batch
-    per step.
+    per step, or with a constant global batch between one unit per step and the most units
+    one step can train (`config.units_per_step` with one learner live).
     """
     if not data:
         return None
@@ -111,8 +137,9 @@ def check_data(state: Any, learner_id: int, steps: int, data: list[list[int]]) -
         return "data ranges given, but this run has no data leases (decoupled.data_shards)"
     with state.lock:
         error = state.ledger.check_ranges(learner_id, data, MAX_DATA_RANGES)
-    if error is None and sum(end - begin for _, begin, end in data) != steps:
-        error = f"data ranges hold {sum(e - b for _, b, e in data)} batches, steps={steps}"
+    units, most = sum(end - begin for _, begin, end in data), units_per_step(state.config, 1)
+    if error is None and not steps <= units <= steps * most:
+        error = f"data ranges hold {units} units, steps={steps} train {steps}..{steps * most}"
     return error
 
 

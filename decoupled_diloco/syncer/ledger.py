@@ -3,7 +3,9 @@
 The run's token budget is `num_learners` · `train_steps` batches. It is cut into S leases
 (`decoupled.data_shards`, fewer when the budget has fewer batches): lease k is the first
 `length(k)` batches of the dataset's shard k of S (`Dataset.train_iterator(batch_size, k, S,
-seed)`: the same seed gives the same data order per shard, whoever trains it). A learner asks
+seed)`: the same seed gives the same data order per shard, whoever trains it). With a
+constant global batch (`decoupled.global_batch`) the ledger's unit is `lease_unit` rows, not
+a batch, and a step trains several units: "batch" below means one unit. A learner asks
 for a lease (`grant`) when it starts and whenever it has trained its current one to the end;
 every push it makes says which batches of which leases its outer gradient holds (`DataRange`s:
 lease, first position, end), per fragment.
@@ -55,6 +57,7 @@ class Grant:
       covered: per fragment, how far its accepted pushes reach into the lease (>= `begin`):
         the learner trains from `begin` but pushes fragment p only what it trains after
         `covered[p]` (so no fragment sees a batch twice).
+      live: learners training now (set by the syncer, `syncer.elastic.lease`).
     """
 
     status: str
@@ -63,6 +66,7 @@ class Grant:
     end: int = 0
     num_shards: int = 0
     covered: list[int] = dataclasses.field(default_factory=list)
+    live: int = 0
 
 
 def split(total_batches: int, shards: int) -> list[int]:
@@ -102,10 +106,10 @@ class Ledger:
     """Leases of the run's data and their coverage by merged pushes (see the module doc).
 
     Args:
-      total_batches: the run's budget in batches (`num_learners` · `train_steps`).
+      total_batches: the run's budget in units (`config.budget_units`).
       shards: S requested (`decoupled.data_shards`).
       num_fragments: P.
-      batch_size: windows (examples) per batch, for `report`.
+      batch_size: windows (examples) per unit, for `report`.
     """
 
     def __init__(self, total_batches: int, shards: int, num_fragments: int, batch_size: int):

@@ -24,7 +24,7 @@ from absl import logging
 
 from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import wire
-from decoupled_diloco.config import ExperimentConfig
+from decoupled_diloco.config import ExperimentConfig, lease_unit, units_per_step
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.syncer.guard import control_slots, data_slots
 from decoupled_diloco.syncer.handlers import add_service
@@ -187,7 +187,8 @@ class SyncerServer:
             self.state,
             token or wire.run_token(s),
             self.fingerprint,
-            task.tokens_per_step(config.data.batch_size),
+            # (the most rows a step trains: a constant global batch with one learner live)
+            task.tokens_per_step(units_per_step(config, 1) * lease_unit(config)),
         )
         self.service.committer = self.committer
         threads = data_slots(config) + control_slots(config) + 4

@@ -210,7 +210,10 @@ class SyncerService(pb_grpc.SyncerServicer):
             **counters,
         )
         return pb.HeartbeatReply(
-            versions=versions, fastest_step_time_s=self.state.fastest_step_time()
+            versions=versions,
+            fastest_step_time_s=self.state.fastest_step_time(),
+            live_learners=elastic.live_count(self.state),
+            lead_step=elastic.lead_step(self.state, r.learner_id),
         )
 
     def Lease(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
@@ -226,6 +229,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             end=grant.end,
             num_shards=grant.num_shards,
             covered=grant.covered,
+            live_learners=grant.live,
         )
 
     def Status(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102

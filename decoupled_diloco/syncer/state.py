@@ -45,8 +45,10 @@ from absl import logging
 from decoupled_diloco.comm import wire
 from decoupled_diloco.config import (
     ExperimentConfig,
+    budget_units,
     data_leases,
     lease_shards,
+    lease_unit,
     max_learners,
     overlap_steps,
 )
@@ -135,10 +137,10 @@ class SyncerState:
         # static shards.
         self.ledger = (
             ledger_lib.Ledger(
-                config.num_learners * config.train_steps,
+                budget_units(config),
                 lease_shards(config),
                 len(fragments),
-                config.data.batch_size,
+                lease_unit(config),
             )
             if data_leases(config)
             else None
