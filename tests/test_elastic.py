@@ -291,9 +291,13 @@ def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(
 
     The learners' steps are slowed through their live chaos controls while the joiner starts
     and until learner 0 dies, so the budget cannot run out first however loaded the machine is.
+    The global batch is constant (the ledger counts rows; each step trains 16 rows over the
+    live learners: leases handed again are cut inside steps' worth of units), the one path
+    the other multi-process tests do not take.
     """
     config = _run_config(
         **{
+            "decoupled.global_batch": "constant",
             "decoupled.data_shards": 16,
             "decoupled.max_learners": 3,
             "decoupled.syncer.learner_timeout_s": 5.0,

@@ -22,6 +22,7 @@ import types
 from typing import Any
 
 import jax
+import numpy as np
 
 from decoupled_diloco import planning, runtime
 from decoupled_diloco.comm.faulty_link import DegradedLink
@@ -97,7 +98,7 @@ class Learner:
         self.restarts = self.restored_from_step = 0
         self.startup: dict[str, float] = {"process_start": runtime.process_start_time()}
         self.startup["constructing"] = t_construct
-        self._compiled = False
+        self._compiled: set[tuple] = set()  # batch shapes this process's step compiled for
         self.state = "starting"  # as the timeline names it (`obs.timeline.STATES`)
         self.leaving = threading.Event()  # `leave`: stop at the next step, flush, say done
         self.leases_trained: list[int] = []  # leases it trained on, in order (with leases)
@@ -259,7 +260,10 @@ class Learner:
                     self.leases_trained.append(lease)
             state = state._replace(params=self.sync.apply_arrivals(state.params))
             first = not self._compiled  # this process's first step compiles
-            self._mark("compiling" if first else "stepping", step)
+            # So does each new batch shape (a constant global batch's, `leases`): not slowed.
+            shape = tuple(np.shape(x) for x in jax.tree.leaves(batch))
+            compiling = shape not in self._compiled
+            self._mark("compiling" if compiling else "stepping", step)
             t_step = time.perf_counter()
             if first:  # refused here, with what would fit, rather than out of memory
                 planning.check_island(self.island, self._batch(batch))
@@ -268,14 +272,14 @@ class Learner:
                 self.checkpoints.drew(self.data_position)  # before the step: see the data rule
             state, loss = self.island.step(state, self._batch(batch))
             slowdown = max(self.slowdown, self.chaos.slowdown() if self.chaos else 1.0)
-            if slowdown > 1 or first:
+            if slowdown > 1 or compiling:
                 loss.block_until_ready()
-                if not first:  # compiling is not slowed: only the steps of slower hardware
+                if not compiling:  # compiling is not slowed: only the steps of slower hardware
                     time.sleep((slowdown - 1) * (time.perf_counter() - t_step))
             if first:
                 self.startup["first_step"] = time.time()
                 print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
-            self._compiled = True
+            self._compiled.add(shape)
             tokens = (
                 tokens_per_step
                 if where is None
