@@ -361,11 +361,20 @@ def test_a_learner_that_starts_late_takes_the_push_phase_of_the_one_ahead():
         reply = one.sync.client.heartbeat(learner_id=1, step=0, state="training")
         assert reply.live_learners == 2
         assert 40 <= reply.lead_step < 44  # 40, and the time since over 0.5 s a step
+        assert reply.lead_step_time_s == 0.5
         one.sync.lead = (40.0, time.perf_counter(), 0.0)
         one.sync.step_done(params, 64)
         assert one.sync.schedule.next_due == [1 + 2, 1 + 4, 1 + 6, 1 + 8]  # as 40's: 42, 44...
+        assert one.sync.schedule.shift == 39  # its heartbeats say phase step 1 + 39
         alone = one.sync.client.heartbeat(learner_id=0, step=41, state="training")
         assert alone.lead_step == -1.0  # learner 1 has no step time yet: none to follow
+        # A learner already aligned is followed by its phase, not its own count; a claim of
+        # tiny steps is extrapolated at most 10 rounds (H = 8).
+        one.sync.client.heartbeat(
+            learner_id=1, step=5, phase_step=44, state="training", step_time_s=5e-324
+        )
+        lead = zero.sync.client.heartbeat(learner_id=0, step=41, state="training").lead_step
+        assert lead == 44 + 10 * 8
     finally:
         cluster.close()
 
@@ -394,11 +403,11 @@ def test_steps_of_several_units_before_a_covered_position_never_reach_a_push():
         zero.sync.lease_started(0, 0, [6])
         zero.sync.step_done(_shift(params, -0.25), 64, data=[[0, 0, 3]])
         zero.sync.step_done(_shift(params, -0.5), 64, data=[[0, 3, 6]])  # θ at the covered end
-        zero.sync.step_done(_shift(params, -0.6), 80, data=[[0, 6, 9]])
-        zero.sync.step_done(_shift(params, -0.75), 80, data=[[0, 9, 14]])  # step 4: a push
+        zero.sync.step_done(_shift(params, -0.6), 3 * 32, data=[[0, 6, 9]])  # 32 tokens a row
+        zero.sync.step_done(_shift(params, -0.75), 5 * 32, data=[[0, 9, 14]])  # step 4: a push
         _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's push")
         pending = cluster.fragment(0).pending[0]
-        assert (pending.steps, pending.tokens, pending.data) == (2, 160, [[0, 6, 14]])
+        assert (pending.steps, pending.tokens, pending.data) == (2, 8 * 32, [[0, 6, 14]])
         for delta in state.pending_gradient(0, 0):
             np.testing.assert_allclose(delta, 0.25, rtol=1e-5)
     finally:

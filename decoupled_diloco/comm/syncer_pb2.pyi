@@ -49,7 +49,7 @@ class RegisterReply(_message.Message):
     def __init__(self, num_fragments: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("learner_id", "step", "tokens", "loss", "state", "versions", "blocked_s", "step_time_s", "eval_loss", "bytes_sent", "bytes_received", "sync_rounds")
+    __slots__ = ("learner_id", "step", "tokens", "loss", "state", "versions", "blocked_s", "step_time_s", "eval_loss", "bytes_sent", "bytes_received", "sync_rounds", "phase_step")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class HeartbeatRequest(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SYNC_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     step: int
     tokens: int
@@ -74,19 +75,22 @@ class HeartbeatRequest(_message.Message):
     bytes_sent: int
     bytes_received: int
     sync_rounds: int
-    def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., sync_rounds: _Optional[int] = ...) -> None: ...
+    phase_step: int
+    def __init__(self, learner_id: _Optional[int] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., state: _Optional[str] = ..., versions: _Optional[_Iterable[int]] = ..., blocked_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., eval_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., sync_rounds: _Optional[int] = ..., phase_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("versions", "fastest_step_time_s", "live_learners", "lead_step")
+    __slots__ = ("versions", "fastest_step_time_s", "live_learners", "lead_step", "lead_step_time_s")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     FASTEST_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
     LEAD_STEP_FIELD_NUMBER: _ClassVar[int]
+    LEAD_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     fastest_step_time_s: float
     live_learners: int
     lead_step: float
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., fastest_step_time_s: _Optional[float] = ..., live_learners: _Optional[int] = ..., lead_step: _Optional[float] = ...) -> None: ...
+    lead_step_time_s: float
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., fastest_step_time_s: _Optional[float] = ..., live_learners: _Optional[int] = ..., lead_step: _Optional[float] = ..., lead_step_time_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

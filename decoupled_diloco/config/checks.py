@@ -74,6 +74,12 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
         f"must be 0 or divide data.batch_size={c.data.batch_size}, got {d.lease_unit}",
     )
     _check(
+        d.global_batch == "per_learner" or (d.data_shards > 0 and d.syncer.shards == 1),
+        "decoupled.global_batch",
+        "'constant' needs data leases (data_shards > 0, one syncer shard): static shards "
+        "train one batch per step",
+    )
+    _check(
         d.global_batch == "per_learner" or d.island_processes == 1,
         "decoupled.global_batch",
         "'constant' needs single-process islands (island_processes=1): the processes of one "

@@ -172,7 +172,8 @@ class DecoupledConfig:
         takes the push phase of the most advanced live learner (`Schedule.align`, from the
         syncer's `lead_step` in heartbeat replies), so that its pushes of a round arrive with
         theirs and are merged together. Off: its fragments are due by its own step count.
-        Single-process islands only (the processes of one island would hear it apart).
+        Single-process islands only (the processes of one island would hear it apart), and
+        not with `dynamic_local_updates` (each learner's H follows its own speed there).
       lease_unit: "constant": rows the ledger counts as one unit; it must divide
         `data.batch_size` and be a multiple of every learner's data-parallel size. 0: the
         least common multiple of the data-parallel sizes of `mesh_shapes`.

@@ -32,6 +32,7 @@ hooks (`_to_host`, `_place`, `_take_ready`) by collectives.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -221,7 +222,10 @@ class DecoupledSync:
         """
         self.step, self.tokens = step, tokens
         self.schedule.resume(step)
-        self._align_from = step if self.config.decoupled.align_phase and self.aligns else None
+        d = self.config.decoupled
+        # (With DyLU each learner's H follows its speed: no common phase to take.)
+        aligned = d.align_phase and self.aligns and not d.dynamic_local_updates
+        self._align_from = step if aligned else None
         leaves = self.treedef.flatten_up_to(params)
         for p, frag in enumerate(self.cut):
             for spec, value in zip(frag, self.anchor[p], strict=True):
@@ -229,7 +233,6 @@ class DecoupledSync:
         params = jax.tree.unflatten(self.treedef, leaves)
         if self.encoder.enabled:  # compile every fragment's encoder now, not in the step loop
             self.encoder.warm_up(self.anchor, leaves)
-        d = self.config.decoupled
         residual = self.encoder.residual_leaves() if self.config.compression.keep_unsent else None
         mesh_merge.warm_up(self.cut, leaves, residual, d.keep_overlap, d.alpha)
         runtime.trim_memory()  # what initialising the model and joining freed goes back now
@@ -373,16 +376,18 @@ class DecoupledSync:
                 self._launch(params, p)
 
     def _align(self) -> None:
-        """Takes the push phase of a learner ahead, once, at the first step it is known.
+        """Takes the push phase of a learner ahead, once, at the first step a lead is heard.
 
-        Given up after one round without word (no other learner measured yet: a run's start,
-        where all start in phase anyway).
+        Only a lead ahead of this learner's own phase is followed (two learners never take
+        each other's). A lead of -1 (no other learner has a step time yet: a run's start, where
+        all start together) ends it, as does a round without any answer (a syncer that does not
+        say).
         """
         if self.lead is not None:
             lead, heard, step_s = self.lead
             if lead >= 0 and step_s > 0:
                 lead += (time.perf_counter() - heard) / step_s
-            if lead > self.step:
+            if math.isfinite(lead) and lead > self.step + self.schedule.shift:
                 self.schedule.align(self.step, lead)
             self._align_from = None
         elif self.step - self._align_from > self.config.inner_steps:

@@ -158,7 +158,8 @@ class Learner:
 
     def _lease_started(self, grant: Any) -> None:
         """A lease's first batch is drawn (`DecoupledSync.lease_started`)."""
-        self.sync.live = getattr(grant, "live_learners", 0) or self.sync.live
+        if not self.sync.live:  # (heartbeats say it later; a lease asked ahead is older)
+            self.sync.live = getattr(grant, "live_learners", 0)
         self.sync.lease_started(grant.lease, grant.begin, list(grant.covered))
 
     def _ask(self, flushed: bool) -> Any:
@@ -265,7 +266,7 @@ class Learner:
             compiling = shape not in self._compiled
             self._mark("compiling" if compiling else "stepping", step)
             t_step = time.perf_counter()
-            if first:  # refused here, with what would fit, rather than out of memory
+            if compiling:  # refused here, with what would fit, rather than out of memory
                 planning.check_island(self.island, self._batch(batch))
             self.data_position += 1
             if self.checkpoints is not None and not leased:

@@ -69,10 +69,12 @@ class Heartbeats:
                 bytes_sent=link.client.bytes_sent,
                 bytes_received=link.client.bytes_received,
                 sync_rounds=len(link.round_log),
+                phase_step=link.step + link.schedule.shift,
             )
             link.schedule.fastest_step_s = reply.fastest_step_time_s
             link.live = reply.live_learners or link.live
-            link.lead = (reply.lead_step, time.perf_counter(), reply.fastest_step_time_s)
+            if reply.HasField("lead_step"):  # (a syncer that does not say: never aligned)
+                link.lead = (reply.lead_step, time.perf_counter(), reply.lead_step_time_s)
         except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
             print(f"[learner {link.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)
 

@@ -41,11 +41,15 @@ class Schedule:
         self.next_due = reschedule(0, num_fragments, inner_steps)
         self.step_time_s = 0.0  # this learner's wall time per step (0 until measured)
         self.fastest_step_s = 0.0  # the fastest live learner's, as the syncer reports it
+        # Steps its pushes are scheduled ahead of its own count (`align`; heartbeats report
+        # step + shift as the phase other learners may align to).
+        self.shift = 0
         self._window: tuple[int, float] | None = None  # (step, time) the window began
 
     def resume(self, step: int) -> None:
         """The schedule from `step` on (a fresh start, or steps restored from a checkpoint)."""
         self.next_due = reschedule(step, self.num_fragments, self.inner_steps)
+        self.shift = 0
 
     def align(self, step: int, lead: float) -> None:
         """Takes the push phase of a learner at step `lead` (this one being at `step`).
@@ -58,6 +62,7 @@ class Schedule:
         lead_at = int(round(lead))
         ahead = reschedule(lead_at, self.num_fragments, self.inner_steps)
         self.next_due = [step + at - lead_at for at in ahead]
+        self.shift = lead_at - step
 
     def due(self, step: int) -> list[int]:
         """The fragments due after `step`; schedules each one's next push."""

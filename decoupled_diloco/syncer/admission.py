@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# A heartbeat's counters (bytes, rounds, phase step) are at most this (int64 sums stay safe).
+MAX_COUNTER = 1 << 48
 # Learner states a heartbeat may report (`learner.link`).
 STATES = frozenset({"training", "done"})
 
@@ -135,8 +137,8 @@ def check_heartbeat(
         if not math.isfinite(value) or (name not in ("loss", "eval_loss") and value < 0):
             return f"{name}={value}: must be finite (losses may be NaN), times >= 0"
     for name, value in counters.items():
-        if value < 0:
-            return f"{name}={value}: must be >= 0"
+        if not 0 <= value <= MAX_COUNTER:
+            return f"{name}={value}: must be in [0, 2^48]"
     if len(versions) not in (0, num_fragments):
         return f"versions: {len(versions)} entries for {num_fragments} fragments"
     if any(v < 0 for v in versions):

@@ -19,6 +19,8 @@ from decoupled_diloco.syncer.records import LearnerInfo
 
 # Data ranges one push may carry (leases its outer gradient spans; each lease is one range).
 MAX_DATA_RANGES = 256
+# A lead's step is extrapolated from its last heartbeat by at most this many rounds (H steps).
+EXTRAPOLATED_ROUNDS = 10
 MEMBERSHIP_KEPT = 1000  # membership changes kept in memory (the status and snapshot: 200)
 
 
@@ -38,21 +40,29 @@ def live_count(state: Any) -> int:
         return len(state.live_learners(state.clock()))
 
 
-def lead_step(state: Any, learner_id: int) -> float:
-    """The most advanced other live learner's step, extrapolated to now (-1: none measured).
+def lead_step(state: Any, learner_id: int) -> tuple[float, float]:
+    """The most advanced other live learner's phase step, extrapolated to now; its step time.
 
-    From each live learner's last heartbeat: its step plus the time since over its step time
-    (at most `learner_timeout_s` of it). A learner starting its loop takes this one's push
-    phase (`Schedule.align`), so that pushes of the same round arrive together.
+    From each live learner's last heartbeat: the step its pushes are scheduled by (its
+    `phase_step`, its step where it sent none) plus the time since over its step time (the
+    floored one, `LearnerInfo.dylu_step_time`: a learner claiming tiny steps cannot throw the
+    extrapolation far; at most `EXTRAPOLATED_ROUNDS` rounds). A learner starting its
+    loop takes this one's push phase (`Schedule.align`), so that pushes of the same round
+    arrive together. (-1, 0) when no other learner has a step time yet.
     """
+    inner_steps = state.config.inner_steps
     with state.lock:
         now = state.clock()
-        steps = [
-            info.step + (now - info.last_seen) / info.step_time_s
-            for i, info in state.learners.items()
-            if i != learner_id and i in state.live_learners(now) and info.step_time_s > 0
-        ]
-        return max(steps, default=-1.0)
+        best = (-1.0, 0.0)
+        for i in state.live_learners(now):
+            info = state.learners[i]
+            step_s = info.dylu_step_time()
+            if i == learner_id or step_s <= 0:
+                continue
+            ahead = min((now - info.last_seen) / step_s, EXTRAPOLATED_ROUNDS * inner_steps)
+            at = (info.phase_step or info.step) + ahead
+            best = max(best, (at, step_s))
+        return best
 
 
 def fastest_step_time(state: Any) -> float:
@@ -74,6 +84,7 @@ def register(state: Any, learner_id: int, mesh: str) -> tuple[list[int], int]:
         info = state.learners.setdefault(learner_id, LearnerInfo())
         info.mesh, info.state, info.last_seen = mesh, "training", state.clock()
         info.pace_from, info.seen_step_s = None, 0.0  # a restart's pace starts again
+        info.step_time_s = 0.0  # (nor is the old incarnation's step a lead to follow)
         info.incarnation += 1
         # A (re)registration is a new incarnation that numbers its rounds from 0 again:
         # forget the old one's idempotency keys, or its first pushes would look like retries.

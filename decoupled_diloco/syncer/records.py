@@ -116,6 +116,7 @@ class LearnerInfo:
     versions: list[int] = dataclasses.field(default_factory=list)
     blocked_s: float = 0.0
     step_time_s: float = 0.0
+    phase_step: int = 0  # the step its pushes are scheduled by (`Schedule.align`)
     pushes: int = 0
     bytes_sent: int = 0  # the learner's data-call traffic so far (its heartbeat's counters)
     bytes_received: int = 0

@@ -189,6 +189,9 @@ class SyncerServer:
             self.fingerprint,
             # (the most rows a step trains: a constant global batch with one learner live)
             task.tokens_per_step(units_per_step(config, 1) * lease_unit(config)),
+            task.tokens_per_step(lease_unit(config))
+            if config.decoupled.global_batch == "constant"
+            else 0,
         )
         self.service.committer = self.committer
         threads = data_slots(config) + control_slots(config) + 4

@@ -49,9 +49,18 @@ class SyncerService(pb_grpc.SyncerServicer):
     `comm.wire`). Only then does the state see the request.
     """
 
-    def __init__(self, state: SyncerState, token: str, fingerprint: str, tokens_per_step: int):
+    def __init__(
+        self,
+        state: SyncerState,
+        token: str,
+        fingerprint: str,
+        tokens_per_step: int,
+        tokens_per_unit: int = 0,
+    ):
         self.state, self.token, self.fingerprint = state, token, fingerprint
         self.tokens_per_step = tokens_per_step  # the task's: bounds a push's token count
+        # A constant global batch's ledger unit, in tokens: a push's tokens are its units'.
+        self.tokens_per_unit = tokens_per_unit
         self.committer: Any = None  # set by `SyncerServer` when the state is durable
         config = state.config
         self.syncer_config = s = config.decoupled.syncer
@@ -194,6 +203,7 @@ class SyncerService(pb_grpc.SyncerServicer):
             "bytes_sent": r.bytes_sent,
             "bytes_received": r.bytes_received,
             "sync_rounds": r.sync_rounds,
+            "phase_step": r.phase_step,
         }
         error = admission.check_heartbeat(
             r.step, r.tokens, numbers, counters, r.versions, r.state, len(self.state.fragments)
@@ -209,11 +219,13 @@ class SyncerService(pb_grpc.SyncerServicer):
             **numbers,
             **counters,
         )
+        lead, lead_step_s = elastic.lead_step(self.state, r.learner_id)
         return pb.HeartbeatReply(
             versions=versions,
             fastest_step_time_s=self.state.fastest_step_time(),
             live_learners=elastic.live_count(self.state),
-            lead_step=elastic.lead_step(self.state, r.learner_id),
+            lead_step=lead,
+            lead_step_time_s=lead_step_s,
         )
 
     def Lease(self, identity: int, raw: bytes | None, context: grpc.ServicerContext):  # noqa: D102
@@ -292,6 +304,9 @@ class SyncerService(pb_grpc.SyncerServicer):
         if h.base_version < 0:
             self._refuse(context, _INVALID, f"base version {h.base_version} is negative")
         error = elastic.check_data(self.state, h.learner_id, h.steps, _ranges(h))
+        held = sum(r.end - r.begin for r in h.data) * self.tokens_per_unit
+        if not error and held and h.tokens != held:
+            error = f"tokens={h.tokens}, but its data ranges hold {held}"
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
         # The bytes go to a file of the push store as they arrive (never a buffer of the
