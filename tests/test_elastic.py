@@ -71,7 +71,7 @@ def test_the_report_counts_windows_missing_and_repeated_per_fragment():
     report = fresh.report()
     assert report["missing"] == 6 * 4  # fragment 1 holds nothing; lease 1 nobody trained
     assert report["missing_ranges"][0] == {
-        "lease": 0, "begin": 0, "end": 3, "fragments": [1], "holder": 0,
+        "lease": 0, "begin": 0, "end": 3, "fragments": [1], "holder": 0, "handed": 1,
     }  # fmt: skip
 
 
@@ -84,6 +84,22 @@ def test_a_flushed_learner_gets_its_own_hole_back_and_the_run_ends_when_all_is_c
     assert (back.status, back.begin) == ("granted", 2)
     ledger.record_merge(0, [[0, 2, 4]])
     assert ledger.grant(0, {0}, True, [[]]).status == "done"
+
+
+def test_a_lease_whose_pushes_never_cover_it_is_given_up_after_max_grants():
+    # Behind a link too slow for its push schedule every push of a hole came back late: the
+    # hole was handed back to its flushed learner without end. Now at most `max_grants` times.
+    ledger = Ledger(total_batches=4, shards=2, num_fragments=1, batch_size=2, max_grants=3)
+    grants = [ledger.grant(0, {0}, True, [[]]).lease for _ in range(4)]
+    assert grants == [0, 0, 0, 1]  # lease 0 three times (its pushes always refused), then 1
+    assert ledger.grant(1, {0, 1}, False, [[]]).status == "wait"  # learner 0 holds lease 1
+    ledger.record_merge(0, [[1, 0, 2]])  # and covers it
+    assert ledger.grant(0, {0, 1}, True, [[]]).status == "done"
+    report = ledger.report()
+    assert (report["missing"], report["leases_given_up"]) == (2 * 2, 1)
+    assert report["missing_ranges"][0] == {
+        "lease": 0, "begin": 0, "end": 2, "fragments": [0], "holder": 0, "handed": 3,
+    }  # fmt: skip
 
 
 def test_pushes_must_name_leases_their_learner_was_handed_and_count_their_steps():

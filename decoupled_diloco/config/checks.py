@@ -63,6 +63,7 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
         "decoupled.data_shards",
         f"must be in [0, 65536] (0: static shards), got {d.data_shards}",
     )
+    _check(d.max_lease_grants >= 0, "decoupled.max_lease_grants", "must be >= 0 (0: no bound)")
     _check(
         d.global_batch in ("per_learner", "constant"),
         "decoupled.global_batch",

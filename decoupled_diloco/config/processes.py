@@ -159,6 +159,11 @@ class DecoupledConfig:
         skipped when it restarts; no joins). Fewer leases where one would hold fewer than
         `inner_steps` batches. Leases need one syncer shard: with
         `syncer.shards` > 1 the shards are static.
+      max_lease_grants: a lease still not covered after it was handed this many times is
+        given up, its missing windows reported in the data ledger (`missing_ranges` with
+        `handed`, `leases_given_up`), rather than handed and trained again without end: data
+        whose pushes keep being refused (late, behind a link too slow for the push schedule)
+        would otherwise be retrained forever. 0: no bound.
       global_batch: with data leases, what stays fixed while membership changes.
         "per_learner": every step trains one batch of `data.batch_size` rows, so the rows
         all live learners train per step (the global batch) grow and shrink with them.
@@ -199,6 +204,7 @@ class DecoupledConfig:
     wan_sites: str = "learner"
     max_learners: int = 0
     data_shards: int = 64
+    max_lease_grants: int = 8
     global_batch: str = "per_learner"
     align_phase: bool = True
     lease_unit: int = 0

@@ -110,11 +110,23 @@ class Ledger:
       shards: S requested (`decoupled.data_shards`).
       num_fragments: P.
       batch_size: windows (examples) per unit, for `report`.
+      max_grants: a lease still not covered after it was handed this many times is given up
+        rather than handed again (0: never): its missing windows are reported. Bounds the
+        retraining of data whose pushes keep being refused (e.g. late, behind a link too slow
+        for the push schedule), which would otherwise go on without end.
     """
 
-    def __init__(self, total_batches: int, shards: int, num_fragments: int, batch_size: int):
+    def __init__(
+        self,
+        total_batches: int,
+        shards: int,
+        num_fragments: int,
+        batch_size: int,
+        max_grants: int = 0,
+    ):
         self.lengths = split(total_batches, shards)
         self.num_fragments, self.batch_size = num_fragments, batch_size
+        self.max_grants = max_grants
         n = len(self.lengths)
         self.holder = [-1] * n  # learner id holding each lease (-1: none)
         self.grants = [0] * n  # times each lease was handed
@@ -203,13 +215,15 @@ class Ledger:
         offsets, coverage = self.offsets(), self.coverage(pending)
         leases = [coverage[:, a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         open_ = [not seg.all() for seg in leases]  # some fragment lacks some batch
-        free = [
-            k
+        # Open leases whose holder may still cover them, and those that could be handed.
+        held = [
+            open_[k] and not (h == -1 or h not in live or (h == learner and flushed))
             for k, h in enumerate(self.holder)
-            if open_[k] and (h == -1 or h not in live or (h == learner and flushed))
         ]
-        if not free:
-            return Grant("wait" if any(open_) else "done", num_shards=self.num_shards)
+        free = [k for k in range(self.num_shards) if open_[k] and not held[k]]
+        free = [k for k in free if not self.max_grants or self.grants[k] < self.max_grants]
+        if not free:  # (leases handed `max_grants` times and not covered are given up)
+            return Grant("wait" if any(held) else "done", num_shards=self.num_shards)
         # Leases handed before (a dead learner's tail) first: their data is the oldest.
         lease = min(free, key=lambda k: (self.grants[k] == 0, k))
         self.take(lease, learner)
@@ -267,6 +281,7 @@ class Ledger:
                             "end": int(b),
                             "fragments": lacking,
                             "holder": self.holder[lease],
+                            "handed": self.grants[lease],
                         }
                     )
         b = self.batch_size
@@ -278,6 +293,14 @@ class Ledger:
             "repeated": int(repeated.sum()) * b,
             "leases": self.num_shards,
             "leases_handed_again": sum(max(g - 1, 0) for g in self.grants),
+            # Leases given up with data missing, after `max_grants` grants (0: no bound).
+            "leases_given_up": sum(
+                1
+                for k, g in enumerate(self.grants)
+                if self.max_grants
+                and g >= self.max_grants
+                and (counts[:, offsets[k] : offsets[k + 1]] == 0).any()
+            ),
             "missing_ranges": listed,
         }
 

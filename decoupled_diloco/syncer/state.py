@@ -141,6 +141,7 @@ class SyncerState:
                 lease_shards(config),
                 len(fragments),
                 lease_unit(config),
+                config.decoupled.max_lease_grants,
             )
             if data_leases(config)
             else None
