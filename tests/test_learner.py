@@ -362,7 +362,7 @@ def test_a_learner_that_starts_late_takes_the_push_phase_of_the_one_ahead():
         assert reply.live_learners == 2
         assert 40 <= reply.lead_step < 44  # 40, and the time since over 0.5 s a step
         assert reply.lead_step_time_s == 0.5
-        one.sync.lead = (40.0, time.perf_counter(), 0.0)
+        one.sync.schedule.hear_lead(40.0, 0.0)
         one.sync.step_done(params, 64)
         assert one.sync.schedule.next_due == [1 + 2, 1 + 4, 1 + 6, 1 + 8]  # as 40's: 42, 44...
         assert one.sync.schedule.shift == 39  # its heartbeats say phase step 1 + 39

@@ -32,7 +32,6 @@ hooks (`_to_host`, `_place`, `_take_ready`) by collectives.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -146,11 +145,6 @@ class DecoupledSync:
         # Learners training now, as the syncer last said (heartbeat and lease replies; 0: not
         # heard yet): a constant global batch is split by it (`config.units_per_step`).
         self.live = 0
-        # The most advanced other learner's step as last heard (step, perf_counter then, its
-        # step time), from heartbeat replies; and the step from which this learner would take
-        # its push phase (`Schedule.align`; None: done, or off).
-        self.lead: tuple[float, float, float] | None = None
-        self._align_from: int | None = None
         self.origin: list[list[np.ndarray] | None] = [None] * num
         # Fragments whose last push the syncer refused as "covered" (its data is in the global
         # model already): the next step drops what they trained since and counts from θ then.
@@ -221,11 +215,9 @@ class DecoupledSync:
           tokens: the tokens restored with them.
         """
         self.step, self.tokens = step, tokens
-        self.schedule.resume(step)
         d = self.config.decoupled
         # (With DyLU each learner's H follows its speed: no common phase to take.)
-        aligned = d.align_phase and self.aligns and not d.dynamic_local_updates
-        self._align_from = step if aligned else None
+        self.schedule.resume(step, d.align_phase and self.aligns and not d.dynamic_local_updates)
         leaves = self.treedef.flatten_up_to(params)
         for p, frag in enumerate(self.cut):
             for spec, value in zip(frag, self.anchor[p], strict=True):
@@ -369,29 +361,9 @@ class DecoupledSync:
                 else:
                     since.append([lease, begin, end])
         self.schedule.step_finished(self.step)
-        if self._align_from is not None:
-            self._align()
         for p in self.schedule.due(self.step):
             if self.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
                 self._launch(params, p)
-
-    def _align(self) -> None:
-        """Takes the push phase of a learner ahead, once, at the first step a lead is heard.
-
-        Only a lead ahead of this learner's own phase is followed (two learners never take
-        each other's). A lead of -1 (no other learner has a step time yet: a run's start, where
-        all start together) ends it, as does a round without any answer (a syncer that does not
-        say).
-        """
-        if self.lead is not None:
-            lead, heard, step_s = self.lead
-            if lead >= 0 and step_s > 0:
-                lead += (time.perf_counter() - heard) / step_s
-            if math.isfinite(lead) and lead > self.step + self.schedule.shift:
-                self.schedule.align(self.step, lead)
-            self._align_from = None
-        elif self.step - self._align_from > self.config.inner_steps:
-            self._align_from = None
 
     def _restart_count(self, params: Params, p: int) -> None:
         """Fragment p's outer gradient counts from θ now; what it counted since is dropped.

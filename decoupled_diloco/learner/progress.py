@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -74,7 +73,7 @@ class Heartbeats:
             link.schedule.fastest_step_s = reply.fastest_step_time_s
             link.live = reply.live_learners or link.live
             if reply.HasField("lead_step"):  # (a syncer that does not say: never aligned)
-                link.lead = (reply.lead_step, time.perf_counter(), reply.lead_step_time_s)
+                link.schedule.hear_lead(reply.lead_step, reply.lead_step_time_s)
         except Exception as error:  # noqa: BLE001 - a missed heartbeat is not fatal.
             print(f"[learner {link.id}] heartbeat failed: {error}", file=sys.stderr, flush=True)
 

@@ -9,6 +9,7 @@ grace window and DyLU use it.
 
 from __future__ import annotations
 
+import math
 import time
 
 from decoupled_diloco.core import fragments as F
@@ -44,12 +45,46 @@ class Schedule:
         # Steps its pushes are scheduled ahead of its own count (`align`; heartbeats report
         # step + shift as the phase other learners may align to).
         self.shift = 0
+        # The most advanced other learner's phase step as last heard (step, perf_counter then,
+        # its step time; `hear_lead`), and the step from which this learner takes its phase
+        # (`resume(..., align=True)`; None: done, or off).
+        self.lead: tuple[float, float, float] | None = None
+        self._align_from: int | None = None
         self._window: tuple[int, float] | None = None  # (step, time) the window began
 
-    def resume(self, step: int) -> None:
-        """The schedule from `step` on (a fresh start, or steps restored from a checkpoint)."""
+    def resume(self, step: int, align: bool = False) -> None:
+        """The schedule from `step` on (a fresh start, or steps restored from a checkpoint).
+
+        `align`: take the push phase of a learner ahead at the first step one is heard of
+        (`align_if_due`; `decoupled.align_phase`).
+        """
         self.next_due = reschedule(step, self.num_fragments, self.inner_steps)
         self.shift = 0
+        self._align_from = step if align else None
+
+    def hear_lead(self, lead: float, step_s: float) -> None:
+        """The syncer's `lead_step` and that learner's step time (a heartbeat reply)."""
+        self.lead = (lead, time.perf_counter(), step_s)
+
+    def align_if_due(self, step: int) -> None:
+        """Takes the push phase of a learner ahead, once, at the first step a lead is heard.
+
+        Only a lead ahead of this learner's own phase is followed (two learners never take
+        each other's). A lead of -1 (no other learner has a step time yet: a run's start, where
+        all start together) ends it, as does a round without any answer (a syncer that does not
+        say).
+        """
+        if self._align_from is None:
+            return
+        if self.lead is not None:
+            lead, heard, step_s = self.lead
+            if lead >= 0 and step_s > 0:
+                lead += (time.perf_counter() - heard) / step_s
+            if math.isfinite(lead) and lead > step + self.shift:
+                self.align(step, lead)
+            self._align_from = None
+        elif step - self._align_from > self.inner_steps:
+            self._align_from = None
 
     def align(self, step: int, lead: float) -> None:
         """Takes the push phase of a learner at step `lead` (this one being at `step`).
@@ -66,6 +101,7 @@ class Schedule:
 
     def due(self, step: int) -> list[int]:
         """The fragments due after `step`; schedules each one's next push."""
+        self.align_if_due(step)
         due = [p for p, at in enumerate(self.next_due) if step >= at]
         for p in due:
             self.next_due[p] = step + self.local_h()
