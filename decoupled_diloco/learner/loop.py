@@ -15,6 +15,7 @@ Checkpoints and (static shards) the data journal: `recovery`.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import threading
 import time
@@ -197,10 +198,11 @@ class Learner:
         c = self.config
         dataset = load_dataset(c, task=self.island.task)  # the task's, or the config's data
         leased = data_leases(c)
+        unit = lease_unit(c)  # rows per ledger unit (a batch unless the global batch is constant)
         data_size = dict(self.island.mesh.shape).get("data", 1)
-        if leased and lease_unit(c) % data_size:
+        if leased and unit % data_size:
             raise ValueError(
-                f"learner {self.id}: a ledger unit of {lease_unit(c)} rows "
+                f"learner {self.id}: a ledger unit of {unit} rows "
                 f"(decoupled.lease_unit) cannot be split over its {data_size} data devices"
             )
         batches = None  # static shards: this learner's iterator (checkpointed with it)
@@ -230,9 +232,10 @@ class Learner:
         # that finds no lease left flushes before it asks again: that flush is final too).
         self.flush_since_step = 0.0
         if leased:
+            per_step = functools.cache(lambda live: units_per_step(c, live))  # (per live count)
             source = leases.leased_batches(
                 dataset,
-                lease_unit(c),
+                unit,
                 c.seed,
                 self._ask,
                 self._lease_started,
@@ -240,7 +243,7 @@ class Learner:
                 self.leaving,
                 log=lambda line: print(f"[learner {self.id}] {line}", flush=True),
                 ahead=self.lease_ahead,
-                units_per_step=lambda: units_per_step(c, self.sync.live or c.num_learners),
+                units_per_step=lambda: per_step(self.sync.live or c.num_learners),
             )
         else:
             source = leases.static_batches(
@@ -285,7 +288,7 @@ class Learner:
                 tokens_per_step
                 if where is None
                 else self.island.task.tokens_per_step(
-                    sum(end - begin for _, begin, end in where) * lease_unit(c)
+                    sum(end - begin for _, begin, end in where) * unit
                 )
             )
             self.sync.step_done(state.params, tokens, loss, data=where)
