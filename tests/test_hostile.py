@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoupled_diloco.comm import auth
+from decoupled_diloco.config import max_push_steps
 from decoupled_diloco.syncer.server import SyncerServer
 from decoupled_diloco.tasks import make_task
 from tests.test_syncer import _config as syncer_config
@@ -309,8 +310,10 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
     # Uncapped, the greedy push would take (8·256)²/8 / ((4·256)²/4 + (8·256)²/8) = 2/3.
     assert log["weights"][1] / sum(log["weights"]) == pytest.approx(2 / 3)
     assert max(log["shares"]) <= cap + 1e-9 and sum(log["shares"]) == pytest.approx(1.0)
-    # Superseding pushes cannot add their counters past the run's length.
+    # Superseding pushes cannot add their counters past what a learner could train (on data
+    # leases the budget's steps).
     before = snapshot(state)
+    assert state.max_push_steps == max_push_steps(state.config) >= train_steps
     peer.push_raw(
         peer.chunks(
             specs,
@@ -318,7 +321,7 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
             learner=1,
             fragment=1,
             rnd=1,
-            steps=train_steps,
+            steps=state.max_push_steps,
             tokens=tps,
             base=state.fragments[1].version,
         )
@@ -338,7 +341,7 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
         ),
         grpc.StatusCode.INVALID_ARGUMENT,
     )
-    assert "train_steps" in details
+    assert "max_push_steps" in details
     with state.lock:  # clean up the pending push for the next tests
         state.fragments[1].pending.clear()
     assert state.fragments[1].version == before["versions"][1]

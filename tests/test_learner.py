@@ -196,6 +196,45 @@ def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
         cluster.close()
 
 
+def test_a_fragment_due_while_its_round_trip_is_under_way_is_held_then_pushed_whole():
+    # Issue 22: behind a slow link a learner must not queue pushes of a fragment (they grow
+    # older until refused as late, and on data leases their data is trained again). Learner
+    # 0's push of step 4 waits in a round that needs learner 1 too: at step 8 the fragment is
+    # held (nothing sent), the learner steps on; once the merge is back and applied, the next
+    # step pushes every step since the first push (5..9), anchored at the merged version.
+    config = _config(
+        inner_steps=4,
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 2,
+            "decoupled.overlap_steps": 1,
+            "decoupled.keep_overlap": False,
+        },
+    )
+    cluster = _Cluster(config)
+    try:
+        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+        _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
+        _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's push")
+        _steps(zero.sync, _shift(params0, -0.5), 4)  # step 8: due, its round trip under way
+        assert zero.sync.held == {0} and zero.sync.deferred == 1
+        assert zero.sync.rounds[0] == 1 and zero.sync.steps_since[0] == 4
+        _steps(one.sync, _shift(params1, -0.25), 4)  # the round closes (version 1)
+        _wait(lambda: zero.sync.arrived() == {0: 1}, "learner 0's merge")
+        merged = zero.sync.apply_arrivals(_shift(params0, -0.5))
+        assert zero.sync.versions[0] == 1
+        zero.sync.step_done(_shift(merged, -0.125), 64)  # step 9: pushed now, 5 steps
+        assert zero.sync.held == set() and zero.sync.rounds[0] == 2
+        _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's held push")
+        pending = cluster.fragment(0).pending[0]
+        assert (pending.steps, pending.base_version) == (5, 1)
+        for delta in cluster.server.state.pending_gradient(0, 0):
+            np.testing.assert_allclose(delta, 0.125, rtol=1e-5)
+        assert zero.sync.summary()["pushes_deferred"] == 1
+    finally:
+        cluster.close()
+
+
 @pytest.mark.parametrize("on_arrival", [False, True])
 def test_a_merge_waits_tau_steps_unless_applied_on_arrival_and_its_lag_is_logged(on_arrival):
     config = _config(

@@ -146,10 +146,10 @@ def test_decoupled_never_waits_its_slow_link_shows_as_a_longer_sync_interval():
     assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 1e-3) == pytest.approx(
         20 / (20 + 8 + 0.8 * 4)
     )
-    # ... at 0.5 Mbit/s: 16 s of flush plus the 8 s fragment in flight (the link always busy),
-    # after the backlog: 16 s of pushes every 10 s, 0.6 s queued per second of the 20 s run.
+    # ... at 0.5 Mbit/s (behind): 16 s of flush beside both fragments' pushes in flight, half
+    # sent on average: 2 * 8 s / 2 (nothing queued: a due fragment is held, not queued).
     assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 0.5e-3) == pytest.approx(
-        20 / (20 + 16 + 8 + 0.6 * 20)
+        20 / (20 + 16 + 8)
     )
     with pytest.raises(ValueError, match="decoupled"):
         utilisation(plan, "async", 1e-3)
@@ -158,26 +158,24 @@ def test_decoupled_never_waits_its_slow_link_shows_as_a_longer_sync_interval():
     assert sync_interval_steps(plan, 0.8e-3) == pytest.approx(10.0)
 
 
-def test_a_decoupled_link_that_is_behind_flushes_its_backlog_first():
-    """Behind (P c_p > H t): the queued pushes go out before the final ones, bounded by the
-    outbox and by the flush's own timeout; a link that keeps up has no backlog."""
+def test_a_decoupled_link_that_is_behind_flushes_the_pushes_in_flight():
+    """Behind (P c_p > H t): every fragment's push is in flight at the end, half sent on
+    average, beside the final pushes; bounded by the flush's own timeout. A link that keeps
+    up has the one fragment in flight a share of the time."""
     plan = LinkPlan(params=4e6, step_time_s=0.1, inner_steps=10, fragments=4, bits=8,
                     run_steps=100, flush_timeout_s=0)  # fmt: skip
     ht, total = 10 * 0.1, 100 * 0.1
-    c = 1e6 * 8 / 8e6  # one fragment at 8 Mbit/s: 1 s
-    demand = 4 * c / ht  # 4: the link is 4x behind
-    backlog = min((demand - 1) * total, 4 * (4 + 1) * c)  # 30 s, under the outbox's 20 s: 20 s
-    want = total / (total + 4 * c + 1.0 * c + backlog)
+    c = 1e6 * 8 / 8e6  # one fragment at 8 Mbit/s: 1 s; the link is 4x behind
+    want = total / (total + 4 * c + 4 * c / 2)
     assert utilisation(plan, "decoupled", 0.008) == pytest.approx(want)
-    capped = dataclasses.replace(plan, flush_timeout_s=12.0)
-    assert utilisation(capped, "decoupled", 0.008) == pytest.approx(total / (total + 12.0))
+    capped = dataclasses.replace(plan, flush_timeout_s=3.0)
+    assert utilisation(capped, "decoupled", 0.008) == pytest.approx(total / (total + 3.0))
     # Keeping up (demand 0.5 at 64 Mbit/s): the fragment in flight and the final pushes only.
     c = 1e6 * 8 / 64e6
     want = total / (total + 4 * c + 4 * c / ht * c)
     assert utilisation(plan, "decoupled", 0.064) == pytest.approx(want)
 
 
-def test_the_planners_outbox_defaults_are_the_configs():
+def test_the_planners_flush_bound_is_the_configs():
     syncer = config_lib.SyncerConfig()
-    assert LinkPlan().max_unsent == syncer.max_unsent
     assert LinkPlan().flush_timeout_s == 2 * syncer.rpc_timeout_s

@@ -47,9 +47,6 @@ def _parser() -> argparse.ArgumentParser:
         "--run_steps", type=int, default=0, help="T: count the final flush of a T-step run"
     )
     p.add_argument(
-        "--max_unsent", type=int, default=4, help="decoupled: pushes queued per fragment, at most"
-    )
-    p.add_argument(
         "--flush_timeout_s", type=float, default=120.0, help="decoupled: flush bound (0: none)"
     )
     p.add_argument("--json", action="store_true", help="print JSON")

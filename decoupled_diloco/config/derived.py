@@ -105,3 +105,13 @@ def units_per_step(config: ExperimentConfig, live: int) -> int:
 def data_leases(config: ExperimentConfig) -> bool:
     """Whether learners train on data leases from the syncer's ledger (`decoupled.data_shards`)."""
     return config.decoupled.data_shards > 0 and config.decoupled.syncer.shards == 1
+
+
+def max_push_steps(config: ExperimentConfig) -> int:
+    """Inner steps one push (a learner's pending pushes of a fragment together) may hold.
+
+    `train_steps`; on data leases the whole budget's steps, `budget_units` (a step trains at
+    least one unit): a learner may train other learners' leases, and a fragment held while
+    its round trip is under way (a slow link) goes with every step since its last push.
+    """
+    return budget_units(config) if data_leases(config) else config.train_steps

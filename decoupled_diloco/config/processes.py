@@ -45,9 +45,12 @@ class SyncerConfig:
         is refused (`syncer.admission`); honest outer gradients stay far below it.
       max_weight_share: in a merge of 2+ pushes, no push's token-weight share exceeds this.
       max_inflight_bytes: push payload bytes the syncer receives at once (0: twice
-        `num_learners` times the largest fragment); they go to its push store on disk as they
+        `num_learners` times the model's float32 bytes: each learner pushes every fragment at
+        once at most, and a final push beside it); they go to its push store on disk as they
         arrive, not to memory. Beyond it a push is refused at once (RESOURCE_EXHAUSTED,
-        retried by learners): gRPC would buffer a waiting push's chunks in memory.
+        retried by learners): gRPC would buffer a waiting push's chunks in memory. A refused
+        push has already sent a flow-control window's bytes: behind a slow link, refusals
+        cost link time.
       max_streams_per_learner: data calls one learner may hold open (0: what its link opens at
         most, fragments · (max_unsent + 1) + 2).
       stream_idle_s: a push stream that moves nothing this long is cut (a pull: see

@@ -135,6 +135,7 @@ class DecoupledSync:
         self.steps_since = [0] * num
         self.tokens_since = [0] * num
         self.rounds = [0] * num
+        self.waits = [-1] * num  # per fragment, the round of the push whose merge is awaited
         # Per fragment, the leased batches trained since its last push ([lease, begin, end)s;
         # `syncer.ledger`): they go with the push.
         self.data_since: list[list[list[int]]] = [[] for _ in range(num)]
@@ -152,13 +153,17 @@ class DecoupledSync:
         # When each fragment is due (`learner.schedule`: staggered, every H or DyLU's H).
         self.schedule = Schedule(num, config.inner_steps, d.dynamic_local_updates)
         self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
+        # Fragments due while their last round trip was under way (`push.under_way`), and how
+        # many pushes were held so: the link is behind, each fragment syncs less often than H.
+        self.held: set[int] = set()
+        self.deferred = 0
         # keep_overlap: per fragment, a device copy of θ at its last push.
         self.at_push: dict[int, list[jax.Array]] = {}
         self.inbox = Inbox()
         # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
         self.pool = futures.ThreadPoolExecutor(max_workers=num * (d.syncer.max_unsent + 1) + 1)
-        self.jobs: list[futures.Future] = []
         self.trips: dict[int, futures.Future] = {}  # per fragment, its last push's round trip
+        self.sending: dict[int, Any] = {}  # per fragment, that push's outbox entry
         self.stop = threading.Event()
         self.heartbeats = progress.Heartbeats(self)  # started by `connect` (or `join`)
         # Progress, as heartbeats report it.
@@ -361,9 +366,16 @@ class DecoupledSync:
                 else:
                     since.append([lease, begin, end])
         self.schedule.step_finished(self.step)
-        for p in self.schedule.due(self.step):
-            if self.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
-                self._launch(params, p)
+        # A fragment due while its last round trip is still under way (a link behind the
+        # schedule) is held, not queued: pushed with every step since once the trip ends.
+        for p in sorted(set(self.schedule.due(self.step)) | self.held):
+            if self._under_way(p):
+                self.deferred += p not in self.held
+                self.held.add(p)
+            else:
+                self.held.discard(p)
+                if self.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
+                    self._launch(params, p)
 
     def _restart_count(self, params: Params, p: int) -> None:
         """Fragment p's outer gradient counts from θ now; what it counted since is dropped.
@@ -391,10 +403,16 @@ class DecoupledSync:
         """Merged fragments that have arrived and wait for their step: fragment -> version."""
         return self.inbox.waiting()
 
-    def flush(self, params: Params = None) -> float:
+    def flush(self, params: Params = None, final: bool = True) -> float:
         """Pushes the steps since each fragment's last push; waits for them (bounded).
 
-        `params`: the parameters now; default those of the last `step_done`.
+        Args:
+          params: the parameters now; default those of the last `step_done`.
+          final: the run's end: nothing more is trained, no merge is waited for. Else a pause
+            (a leased learner waiting for a lease): the pushes are ordinary ones, whose merges
+            come back as the anchors the next steps count from (a final push's progress would
+            be counted again by the next push from the same anchor).
+        The wait is for delivery (not for merges: the learner stops, or idles for a lease).
 
         Returns:
           Seconds it took (the pushes' host copies or encodings, and the wait). Pushes still
@@ -404,8 +422,11 @@ class DecoupledSync:
         t0 = time.perf_counter()
         for p in range(len(self.cut)):
             if self.steps_since[p]:
-                self._launch(params, p, final=True)
-        futures.wait(self.jobs, timeout=2 * self.config.decoupled.syncer.rpc_timeout_s)
+                self.held.discard(p)
+                self._launch(params, p, final=final)
+        deadline = time.monotonic() + 2 * self.config.decoupled.syncer.rpc_timeout_s
+        while self.outbox.unsent() and time.monotonic() < deadline and not self.stop.wait(0.02):
+            pass
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -452,6 +473,10 @@ class DecoupledSync:
     def _launch(self, params: Params, p: int, final: bool = False) -> None:
         """Hands fragment p's push to a worker thread (its host copy or encoding made here)."""
         push.launch(self, params, p, final)
+
+    def _under_way(self, p: int) -> bool:
+        """Fragment p's last round trip has not ended (`push.under_way`)."""
+        return push.under_way(self, p)
 
     def _retried(self) -> None:
         self.retries += 1

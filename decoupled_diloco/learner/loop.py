@@ -179,7 +179,7 @@ class Learner:
         """
         if self.state != "waiting":
             self._mark("blocked", self.step)
-            self.flush_since_step += self.sync.flush()
+            self.flush_since_step += self.sync.flush(final=False)
             self._mark("waiting", self.step)
         return self.sync.outbox.unsent() == 0
 
@@ -229,7 +229,8 @@ class Learner:
         params = self.sync.join(state.params, self.step, self.tokens)
         state = state._replace(params=params)
         # Flushing since the last step trained: at the end, the final flush (a leased learner
-        # that finds no lease left flushes before it asks again: that flush is final too).
+        # that finds no lease left flushes before it asks again: at the end that was the
+        # final flush's pushing).
         self.flush_since_step = 0.0
         if leased:
             per_step = functools.cache(lambda live: units_per_step(c, live))  # (per live count)

@@ -162,6 +162,7 @@ class MultihostSync(DecoupledSync):
         # across the processes of an island whose processes differ only along the data axis.
         self.merge_digests: list[list[Any]] = []
         self._merged_now: list[int] = []
+        self._busy: set[int] = set()  # fragments whose round trip is under way, agreed
         super().__init__(*args, **kwargs)
 
     def _to_host(self, leaves: Sequence[jax.Array]) -> list[np.ndarray]:
@@ -191,6 +192,11 @@ class MultihostSync(DecoupledSync):
             # Not ours to send: settle the push's outbox entry at once, so nothing piles up.
             self.outbox.deliver(job.ticket, lambda: None, self.stop)
 
+    def _under_way(self, p: int) -> bool:
+        # As the leader saw it at the last step boundary (`_take_ready`): every process of
+        # the island holds or pushes the same fragments at the same step.
+        return p in self._busy
+
     def _heartbeat(self, state: str) -> None:
         if self.group.is_leader:
             super()._heartbeat(state)
@@ -205,11 +211,15 @@ class MultihostSync(DecoupledSync):
     def _take_ready(self) -> dict[int, Inbound]:
         """The leader's ready merges, agreed by every process (two broadcasts)."""
         ready = super()._take_ready() if self.group.is_leader else {}
-        # Row 0: the version applied now per fragment (-1: none); row 1: the push it answers.
-        agreed = np.full((2, len(self.cut)), -1, np.int32)
+        # Row 0: the version applied now per fragment (-1: none); row 1: the push it answers;
+        # row 2: 1 where its round trip is under way (the next step holds its push if due).
+        agreed = np.full((3, len(self.cut)), -1, np.int32)
         for p, inbound in ready.items():
-            agreed[:, p] = inbound.version, inbound.pushed_at
-        versions, pushed_at = broadcast(agreed)
+            agreed[:2, p] = inbound.version, inbound.pushed_at
+        if self.group.is_leader:
+            agreed[2] = [super(MultihostSync, self)._under_way(p) for p in range(len(self.cut))]
+        versions, pushed_at, busy = broadcast(agreed)
+        self._busy = {p for p in range(len(self.cut)) if busy[p] > 0}
         chosen = [p for p in range(len(self.cut)) if versions[p] >= 0]
         if not chosen:
             return {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -45,6 +46,7 @@ class Unsent:
     tried: bool = False  # an attempt was made: the syncer may hold it (and its counts)
     superseded: bool = False
     dropped: bool = False
+    settled_at: float | None = None  # time.monotonic() when delivered, refused or given up
 
 
 class Outbox:
@@ -141,5 +143,6 @@ class Outbox:
             return None
         finally:
             with self.lock:
+                ticket.settled_at = time.monotonic()
                 p = ticket.fragment
                 self.pending[p] = [x for x in self.pending[p] if x is not ticket]

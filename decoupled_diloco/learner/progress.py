@@ -86,6 +86,8 @@ def summary(link: DecoupledSync) -> dict[str, Any]:
         "pushes_folded": link.outbox.folded,
         "pushes_dropped": link.outbox.dropped,
         "pushes_unsent": link.outbox.unsent(),
+        # Pushes held because the fragment's last round trip had not ended (a link behind).
+        "pushes_deferred": link.deferred,
         "retries": link.client.retries_done + link.retries,
         "errors": link.errors,
         # Traffic of the data calls, headers included (the initial pulls too).

@@ -69,13 +69,15 @@ def launch(link: DecoupledSync, params: Any, p: int, final: bool = False) -> Non
         p, link.rounds[p], link.versions[p], link.anchor[p], local,
         ticket.steps, ticket.tokens, final, link.step, ticket, origin=link.origin[p],
     )  # fmt: skip
-    # The round moves on before the job starts: `sync` checks it to know whether a newer
-    # push of p has taken over the wait for a merge.
+    # The round moves on before the job starts; `sync` checks `waits` to know whether a newer
+    # push of p has taken over the wait for a merge (a final push waits for none: a learner
+    # flushing between leases still takes the merge of its last push as its new anchor).
     link.rounds[p] += 1
+    if not final:
+        link.waits[p] = job.round
     trip = link.pool.submit(link._sync, job)
-    link.jobs = [j for j in link.jobs if not j.done()] + [trip]
     if not final:  # (a final push brings back no merge)
-        link.trips[p] = trip
+        link.trips[p], link.sending[p] = trip, ticket
     link.steps_since[p] = link.tokens_since[p] = 0
     link.data_since[p] = []
 
@@ -96,7 +98,7 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
             link.encoder.codec,
             link.stop,
             # A newer push of p takes over the wait for a merge (one waiting pull each).
-            still_current=lambda: link.rounds[p] == job.round + 1,
+            still_current=lambda: link.waits[p] == job.round,
             wait_s=min(link.config.decoupled.syncer.rpc_timeout_s, 5.0),
             outbox=link.outbox,
             on_retry=link._retried,
@@ -129,6 +131,30 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
     if trip.version >= 0:
         due = due_at(link.config, job.pushed_at)
         link.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+
+
+def under_way(link: DecoupledSync, p: int) -> bool:
+    """Fragment p's last push is not delivered, or its merge not back and applied yet.
+
+    A fragment due then is held until the trip ends, and pushed with every step since: one
+    round trip per fragment at a time. Pushing it anyway behind a link slower than the
+    schedule would queue pushes that grow older while they wait, until the syncer refuses them
+    as late (`max_staleness`) or the outbox drops them; on data leases their data is then
+    handed out and trained again, behind the same link (issue 22's livelock). Held, the learner
+    keeps stepping and the fragment syncs every max(H, its trip) steps, as
+    `sim.bandwidth.sync_interval_steps` plans. A merge that is back but waiting in the inbox
+    counts as under way: a push anchored before it would be overwritten when it is applied.
+    A merge not back `rpc_timeout_s` after the push was delivered is not waited for (it may
+    never come: a push lost with a restarted syncer's unsaved state, its peers gone).
+    """
+    if p in link.inbox.waiting():
+        return True
+    trip, ticket = link.trips.get(p), link.sending.get(p)
+    if trip is None or trip.done():
+        return False
+    if ticket is None or ticket.settled_at is None:  # still sending (or retrying)
+        return True
+    return time.monotonic() - ticket.settled_at < link.config.decoupled.syncer.rpc_timeout_s
 
 
 def wait_for_due_merges(link: DecoupledSync) -> None:

@@ -30,19 +30,20 @@ The model (a closed form, not a simulation) and every assumption it makes:
   time, so if P transfers do not fit in H steps the link is the bottleneck:
   `wall per H steps = max(H t + P * max(0, c_p - (tau + backward_fraction) t), P * c_p)`.
 * `decoupled` (this framework's decoupled mode, as it runs): the same fragments and transfers as
-  `streaming`, but the learner never waits for them: a push that cannot leave yet waits in the
-  outbox while the learner steps on, merges are applied when they arrive. A long run's utilisation
-  is 1; what a slow link costs is staleness, each fragment synced every
-  `sync_interval_steps = max(H, P * c_p / t)` steps instead of H. (Measured behind kernel rate
+  `streaming`, but the learner never waits for them: a fragment due while its last round trip is
+  under way is held (the learner steps on) and pushed with every step since when the trip ends;
+  merges are applied when they arrive. A long run's utilisation is 1; what a slow link costs is
+  staleness, each fragment synced every `sync_interval_steps = max(H, P * c_p / t)` steps
+  instead of H. (Measured behind kernel rate
   limits, tools/bench_wan.py: 0.997-1.000 without the final flush at every scaled rate, where
   `streaming`'s wait predicted 0.88 at the slowest; that is why this mode exists.)
 * A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
   with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
   T/H rounds; for `diloco` it replaces the last round's push and pull; for `decoupled`, the
-  fragment in flight at the end goes first (`min(P c_p / (H t), 1) * c_p`, the share of time
-  the link is busy times one transfer); a link that is behind (P c_p > H t) has queued
-  `(P c_p / (H t) - 1) T t` seconds of older pushes by then (at most `P (max_unsent + 1) c_p`,
-  what the outbox keeps), sent first; the flush waits at most `flush_timeout_s`. (Behind
+  fragment in flight at the end shares the link with it (`min(P c_p / (H t), 1) * c_p`, the
+  share of time the link is busy times one transfer); on a link that is behind
+  (P c_p > H t) every fragment's push is in flight at the end, half sent on average
+  (`P c_p / 2`, at least one transfer); the flush waits at most `flush_timeout_s`. (Behind
   kernel rate limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it
   and nothing else.) The initial pull of the global parameters happens before the first step and
   is not counted.
@@ -97,8 +98,6 @@ class LinkPlan:
       bandwidth_gbps: the link, for its utilisation; 0: only the bandwidth each target needs.
       targets: utilisation targets.
       run_steps: T, the run's length, whose final flush then counts (0: a long run).
-      max_unsent: decoupled: pushes a learner's outbox keeps waiting per fragment
-        (`decoupled.syncer.max_unsent`), which bounds the backlog of a link that is behind.
       flush_timeout_s: decoupled: the longest a learner's final flush waits (2 ×
         `decoupled.syncer.rpc_timeout_s`); 0: no bound.
     """
@@ -118,7 +117,6 @@ class LinkPlan:
     bandwidth_gbps: float = 0.0
     targets: tuple[float, ...] = TARGETS
     run_steps: int = 0
-    max_unsent: int = 4
     flush_timeout_s: float = 120.0
 
 
@@ -190,15 +188,13 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
             return 1.0
         p = args.fragments
         c = _transfer_s(args, args.params / p, args.bits, gbps)
-        # The final pushes wait for the fragment in flight, if any: the link is busy a share
-        # P c_p / (H t) of the time (all of it when behind), and that transfer goes first.
+        # The final pushes share the link with the fragment in flight, if any: the link is
+        # busy a share P c_p / (H t) of the time. Behind (demand > 1), every fragment's push
+        # is under way (held pushes never queue: one round trip per fragment), half sent on
+        # average. The learner gives up after `flush_timeout_s`.
         demand = p * c / (h * t)
-        # Behind (demand > 1), pushes queue faster than the link sends them: the backlog at
-        # the end, bounded by the outbox (`max_unsent` waiting + 1 in flight per fragment),
-        # goes out before the final pushes; the learner gives up after `flush_timeout_s`.
-        backlog = min((demand - 1.0) * rounds * h * t, p * (args.max_unsent + 1) * c)
-        flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + min(demand, 1.0) * c
-        flush += max(backlog, 0.0)
+        in_flight = demand * c if demand <= 1.0 else max(1.0, p / 2) * c
+        flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + in_flight
         if args.flush_timeout_s:
             flush = min(flush, args.flush_timeout_s)
         return rounds * h * t / (rounds * h * t + flush)

@@ -5,7 +5,8 @@ bound, which the server sends back with INVALID_ARGUMENT. Nothing here touches t
 refused message leaves it unchanged.
 
 The bounds (docs/deploy.md, "What the syncer trusts"):
-- counters: 1 ≤ steps ≤ `train_steps` and 1 ≤ tokens ≤ steps · tokens per step (the task's
+- counters: 1 ≤ steps ≤ `config.max_push_steps` (`train_steps`; on data leases the budget's
+  steps) and 1 ≤ tokens ≤ steps · tokens per step (the task's
   batch), so a push cannot claim more work than its steps could have done, a token weight
   tokens²/steps is never 0 and never overflows;
 - outer-gradient norm: ‖Δ‖ ≤ `max_delta_norm` · max(‖Θ_p‖, `NORM_FLOOR`·√n) for fragment p of
@@ -33,10 +34,10 @@ NORM_FLOOR = 1e-3
 _CHUNK = 1 << 18  # values per numpy operation in a pass over a fragment
 
 
-def check_counters(steps: int, tokens: int, train_steps: int, tokens_per_step: int) -> str | None:
+def check_counters(steps: int, tokens: int, max_steps: int, tokens_per_step: int) -> str | None:
     """Bounds a push's inner steps and tokens by what a learner's run could have produced."""
-    if not 1 <= steps <= train_steps:
-        return f"steps={steps}: must be in [1, train_steps={train_steps}]"
+    if not 1 <= steps <= max_steps:
+        return f"steps={steps}: must be in [1, {max_steps}] (config.max_push_steps)"
     if not 1 <= tokens <= steps * tokens_per_step:
         return (
             f"tokens={tokens}: must be in [1, steps * tokens_per_step = {steps} * "

@@ -68,13 +68,13 @@ class SyncerService(pb_grpc.SyncerServicer):
         # Compressed downlink: per-learner differences from the copy each one holds.
         lossy = z.downlink and z.scheme != "none"
         self.downlink = Downlink(compression.codec_for(z)) if lossy else None
-        largest = max(sum(x.nbytes for x in f.specs) for f in state.fragments)
+        model_bytes = sum(x.nbytes for f in state.fragments for x in f.specs)
         per_learner = streams_per_learner(config)
         self.guard = Guard(
             slots=data_slots(config),
             per_caller=per_learner,
             operator_calls=per_learner * (config.num_learners + 1),
-            max_bytes=s.max_inflight_bytes or 2 * config.num_learners * largest,
+            max_bytes=s.max_inflight_bytes or 2 * config.num_learners * model_bytes,
             idle_s=s.stream_idle_s,
             min_pull_rate=s.min_pull_bytes_per_s,
         )
@@ -295,8 +295,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(
                 context, _INVALID, f"header says {h.total_bytes} bytes, tensors need {expected}"
             )
-        c = self.state.config
-        error = admission.check_counters(h.steps, h.tokens, c.train_steps, self.tokens_per_step)
+        bound = self.state.max_push_steps
+        error = admission.check_counters(h.steps, h.tokens, bound, self.tokens_per_step)
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")
         if h.base_version > frag.published:

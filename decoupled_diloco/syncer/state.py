@@ -50,6 +50,7 @@ from decoupled_diloco.config import (
     lease_shards,
     lease_unit,
     max_learners,
+    max_push_steps,
     overlap_steps,
 )
 from decoupled_diloco.core import outer
@@ -103,6 +104,7 @@ class SyncerState:
         merge_hook: Callable[[], None] | None = None,
     ):
         self.config, self.clock, self.merge_hook = config, clock, merge_hook
+        self.max_push_steps = max_push_steps(config)  # bounds a push's (pending) steps
         self.owned = set(range(len(fragments)) if owned is None else owned)
         self.started = clock()  # For the status's uptime (and merges per minute).
         d = config.decoupled
@@ -195,7 +197,7 @@ class SyncerState:
 
         Raises:
           PushRefused: a push of an older incarnation of its learner, or one whose counters,
-            added to the learner's pending push of the fragment, pass `train_steps`.
+            added to the learner's pending push of the fragment, pass `max_push_steps`.
         """
         with self.lock:
             key = (push.learner_id, push.fragment, push.round)
@@ -224,10 +226,11 @@ class SyncerState:
                 )
             else:
                 previous = frag.pending.get(push.learner_id)
-                if previous is not None and previous.steps + push.steps > self.config.train_steps:
+                bound = self.max_push_steps
+                if previous is not None and previous.steps + push.steps > bound:
                     raise PushRefused(
                         f"steps={push.steps} on top of the pending {previous.steps} pass "
-                        f"train_steps={self.config.train_steps}"
+                        f"{bound} (config.max_push_steps)"
                     )
                 try:
                     self._add(frag, push)
