@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from decoupled_diloco.config import overlap_steps
 from decoupled_diloco.learner.loop import Learner
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
@@ -231,6 +232,85 @@ def test_a_fragment_due_while_its_round_trip_is_under_way_is_held_then_pushed_wh
         for delta in cluster.server.state.pending_gradient(0, 0):
             np.testing.assert_allclose(delta, 0.125, rtol=1e-5)
         assert zero.sync.summary()["pushes_deferred"] == 1
+    finally:
+        cluster.close()
+
+
+def test_a_pause_between_leases_pushes_ordinary_pushes_whose_merges_become_anchors():
+    # A leased learner with no lease free flushes what it trained (`flush(final=False)`). Its
+    # pushes' merges must come back as its anchors: a final push brings none, and the next
+    # push, anchored where the flushed one was, would carry the flushed progress again (and,
+    # its anchor ever older, be refused as late: holes handed again and again).
+    config = _config(inner_steps=8, **{"decoupled.fragments": 2, "decoupled.quorum": 1})
+    cluster = _Cluster(config)
+    try:
+        zero, params = cluster.join(0)
+        _steps(zero.sync, _shift(params, -0.25), 2)  # neither fragment due yet
+        zero.sync.flush(final=False)
+        assert zero.sync.outbox.unsent() == 0 and zero.sync.steps_since == [0, 0]
+        _wait(lambda: zero.sync.arrived() == {0: 1, 1: 1}, "both merges")
+        _steps(zero.sync, _shift(params, -0.25), overlap_steps(config))
+        params = zero.sync.apply_arrivals(_shift(params, -0.25))
+        assert zero.sync.versions == [1, 1]
+        for p in (0, 1):  # the anchors are the merged values
+            for x, want in zip(zero.sync.anchor[p], cluster.fragment(p).values, strict=True):
+                np.testing.assert_array_equal(x, want)
+    finally:
+        cluster.close()
+
+
+def test_the_work_of_a_push_refused_as_late_goes_with_the_next_push():
+    # Issue 22: behind a slow link pushes arrive late; dropping their work on data leases hands
+    # their batches out again, to be trained and pushed late again. Learner 0's push, anchored
+    # at version 0, arrives after learner 1's merge made version 1 (max_staleness 0: late).
+    # The current values are applied keeping all of learner 0's progress since its anchor, and
+    # its next push holds the refused steps and batches too: Δ = 0.625, of which a merge of 1
+    # of the 2 live learners steps half (`share`): Θ_2 = Θ_1 − 0.3125.
+    config = _config(
+        inner_steps=4,
+        train_steps=64,  # leases of 32 batches
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 1,
+            "decoupled.overlap_steps": 1,
+            "decoupled.data_shards": 4,
+            "decoupled.grace_safety": 0.5,
+            "decoupled.syncer.max_staleness": 0,
+            "outer.lr": 1.0,  # plain averaging
+            "outer.momentum": 0.0,
+            "outer.nesterov": False,
+        },
+    )
+    cluster = _Cluster(config)
+    try:
+        state = cluster.server.state
+        state.ema_step.update(1.0)  # grace window 0.5 * 1 step * 1 s
+        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+        assert zero.sync.client.lease(0).lease == 0 and one.sync.client.lease(1).lease == 1
+        for i in range(4):
+            one.sync.step_done(_shift(params1, -0.25), 64, data=(1, i))
+        _wait(lambda: cluster.fragment(0).version == 1, "learner 1's merge")
+        theta1 = [np.array(x) for x in cluster.fragment(0).values]
+        for i in range(4):
+            zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
+        _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
+        assert zero.sync.pushes["late"] == 1
+        zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, 4))  # τ = 1 step
+        params = zero.sync.apply_arrivals(_shift(params0, -0.5))
+        assert zero.sync.versions == [1] and zero.sync.rebased == 1
+        assert zero.sync.steps_since == [5] and zero.sync.data_since == [[[0, 0, 5]]]
+        got = _leaves(zero.sync, params)
+        for spec, want in zip(zero.sync.cut[0], theta1, strict=True):
+            np.testing.assert_allclose(got[spec.index], want - 0.5, rtol=1e-6, atol=1e-6)
+        for i in range(5, 8):  # step 8 pushes: 8 steps, batches 0..7, Δ = 0.625
+            zero.sync.step_done(_shift(params, -0.125), 64, data=(0, i))
+        _wait(lambda: cluster.fragment(0).version == 2, "learner 0's merge")
+        for value, before in zip(cluster.fragment(0).values, theta1, strict=True):
+            np.testing.assert_allclose(value, before - 0.3125, rtol=1e-6, atol=1e-6)
+        assert state.merge_log[-1]["learners"] == [0]
+        report = state.ledger.report([[[0, 0, 8], [1, 0, 4]]])
+        assert report["repeated"] == 0
+        assert zero.sync.summary()["pushes_rebased"] == 1
     finally:
         cluster.close()
 

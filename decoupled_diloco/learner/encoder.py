@@ -59,6 +59,16 @@ class MeshEncoder:
         # buffer too, so that a checkpoint keeps it: a restart starts θ from the global values).
         self.in_params = [False] * len(cut)
 
+    def forget(self, p: int) -> None:
+        """Zeroes fragment p's residual (its push was refused; the next one sends it all)."""
+        leaves = self.residual_leaves()
+        if leaves is None:
+            return
+        for spec in self.cut[p]:
+            leaves[spec.index] = jnp.zeros_like(leaves[spec.index])
+        self.residual = jax.tree.unflatten(self.treedef, leaves)
+        self.in_params[p] = False
+
     def residual_leaves(self) -> list[jax.Array] | None:
         """The residual's leaves in flatten order (None without error feedback)."""
         return None if self.residual is None else self.treedef.flatten_up_to(self.residual)

@@ -48,7 +48,7 @@ from decoupled_diloco.learner import mesh_merge, progress, push
 from decoupled_diloco.learner.encoder import MeshEncoder
 from decoupled_diloco.learner.inbox import Inbox
 from decoupled_diloco.learner.outbox import Outbox
-from decoupled_diloco.learner.round_trip import Inbound, Outgoing, Trip
+from decoupled_diloco.learner.round_trip import Inbound, Late, Outgoing, Trip
 from decoupled_diloco.learner.schedule import Schedule
 
 Params = Any
@@ -75,6 +75,7 @@ class DecoupledSync:
     """
 
     aligns = True  # may take a learner ahead's push phase (`decoupled.align_phase`)
+    rebases = True  # keeps the work of a push refused as late (`Inbound.late`)
 
     def __init__(
         self,
@@ -157,6 +158,7 @@ class DecoupledSync:
         # many pushes were held so: the link is behind, each fragment syncs less often than H.
         self.held: set[int] = set()
         self.deferred = 0
+        self.rebased = 0  # late pushes whose work went with a later push (`_rebase`)
         # keep_overlap: per fragment, a device copy of θ at its last push.
         self.at_push: dict[int, list[jax.Array]] = {}
         self.inbox = Inbox()
@@ -288,6 +290,8 @@ class DecoupledSync:
             latest = inbound.pushed_at == self.last_push[p]
             at_push = self.at_push.pop(p, None) if d.keep_overlap else None
             unsent = residual is not None and latest
+            if inbound.late is not None and latest:  # rebased: every step since its reference
+                at_push, unsent = self._rebase(p, inbound.late), False
             merged = [
                 self._place(v, self.shardings[x.index])
                 for x, v in zip(self.cut[p], inbound.values, strict=True)
@@ -366,16 +370,7 @@ class DecoupledSync:
                 else:
                     since.append([lease, begin, end])
         self.schedule.step_finished(self.step)
-        # A fragment due while its last round trip is still under way (a link behind the
-        # schedule) is held, not queued: pushed with every step since once the trip ends.
-        for p in sorted(set(self.schedule.due(self.step)) | self.held):
-            if self._under_way(p):
-                self.deferred += p not in self.held
-                self.held.add(p)
-            else:
-                self.held.discard(p)
-                if self.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
-                    self._launch(params, p)
+        push.push_due(self, params, self.schedule.due(self.step))
 
     def _restart_count(self, params: Params, p: int) -> None:
         """Fragment p's outer gradient counts from θ now; what it counted since is dropped.
@@ -399,6 +394,30 @@ class DecoupledSync:
             if until > begin:
                 self.skip[p] = (lease, until)
 
+    def _rebase(self, p: int, late: Late) -> list[jax.Array]:
+        """A push of p refused as late: its counts and data go with the next push.
+
+        Returns what the current values are applied against (`merge_back`'s `at_push`): the
+        refused push's reference, so that θ keeps all the progress since it and the next
+        push's Δ (from the current values) holds the refused steps too. A compressed push's
+        error-feedback residual of p is dropped (it counted the refused push as sent).
+        """
+        self.steps_since[p] += late.steps
+        self.tokens_since[p] += late.tokens
+        ranges: list[list[int]] = []
+        for lease, begin, end in late.data + self.data_since[p]:
+            if ranges and ranges[-1][0] == lease and ranges[-1][2] == begin:
+                ranges[-1][2] = end
+            else:
+                ranges.append([lease, begin, end])
+        self.data_since[p] = ranges
+        self.rebased += 1
+        self.encoder.forget(p)
+        return [
+            self._place(v, self.shardings[x.index])
+            for x, v in zip(self.cut[p], late.reference, strict=True)
+        ]
+
     def arrived(self) -> dict[int, int]:
         """Merged fragments that have arrived and wait for their step: fragment -> version."""
         return self.inbox.waiting()
@@ -418,15 +437,8 @@ class DecoupledSync:
           Seconds it took (the pushes' host copies or encodings, and the wait). Pushes still
           undelivered after 2 × `rpc_timeout_s` are given up (`pushes_unsent` in the summary).
         """
-        params = self._last if params is None else params
         t0 = time.perf_counter()
-        for p in range(len(self.cut)):
-            if self.steps_since[p]:
-                self.held.discard(p)
-                self._launch(params, p, final=final)
-        deadline = time.monotonic() + 2 * self.config.decoupled.syncer.rpc_timeout_s
-        while self.outbox.unsent() and time.monotonic() < deadline and not self.stop.wait(0.02):
-            pass
+        push.flush(self, self._last if params is None else params, final)
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -157,6 +157,8 @@ class LearnerMetrics(Collector):
             pushes.add_metric([label, outcome], n)
         pushes.add_metric([label, "folded"], summary["pushes_folded"])
         pushes.add_metric([label, "dropped"], summary["pushes_dropped"])
+        pushes.add_metric([label, "deferred"], summary["pushes_deferred"])
+        pushes.add_metric([label, "rebased"], summary["pushes_rebased"])
         yield pushes
         versions = GaugeMetricFamily(
             "dd_learner_fragment_version", "Version of each fragment the learner holds.",

@@ -155,6 +155,9 @@ class MultihostSync(DecoupledSync):
     """
 
     aligns = False  # its processes would hear the lead's step at different times
+    # Only the leader hears a refusal as late (its counts and data are the leader's): a late
+    # push's data is handed out again, as before rebasing.
+    rebases = False
 
     def __init__(self, *args: Any, group: ProcessGroup, **kwargs: Any):
         self.group = group

@@ -88,6 +88,8 @@ def summary(link: DecoupledSync) -> dict[str, Any]:
         "pushes_unsent": link.outbox.unsent(),
         # Pushes held because the fragment's last round trip had not ended (a link behind).
         "pushes_deferred": link.deferred,
+        # Pushes refused as late whose steps and data went with a later push (`_rebase`).
+        "pushes_rebased": link.rebased,
         "retries": link.client.retries_done + link.retries,
         "errors": link.errors,
         # Traffic of the data calls, headers included (the initial pulls too).

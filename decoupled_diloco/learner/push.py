@@ -1,6 +1,9 @@
 """One push of a link: functions of a `DecoupledSync`, on its step loop and its worker threads.
 
-`launch` runs on the step loop when fragment p is due (or at the final flush): it takes the
+`push_due` runs on the step loop after each step: the fragments due (`learner.schedule`) are
+launched, except one whose last round trip is still under way, which is held until it ends
+(`under_way`); `flush` pushes what every fragment trained since, held or not.
+`launch` runs on the step loop when fragment p is pushed: it takes the
 fragment's host copy (or its encoding on the mesh, `learner.encoder`) before the next step
 donates the buffers, records the push in the outbox and hands it to a worker thread, which
 runs the link's `_sync` hook. `sync` is that hook's body: the round trip (`round_trip`) and
@@ -22,7 +25,7 @@ import jax
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.learner import mesh_merge
-from decoupled_diloco.learner.round_trip import Inbound, Outgoing, round_trip
+from decoupled_diloco.learner.round_trip import Inbound, Late, Outgoing, round_trip
 
 if TYPE_CHECKING:
     from decoupled_diloco.learner.link import DecoupledSync
@@ -130,7 +133,45 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
     )
     if trip.version >= 0:
         due = due_at(link.config, job.pushed_at)
-        link.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at))
+        late = None
+        if trip.outcome == "late" and link.rebases:
+            # Its work is not lost: applied on top of the current values, it goes with the
+            # next push (on data leases its batches would otherwise be handed out again, and
+            # behind a slow link come back late again).
+            reference = job.anchor if job.origin is None else job.origin
+            late = Late(job.steps, job.tokens, list(job.ticket.data if job.ticket else job.data),
+                        reference)  # fmt: skip
+        link.inbox.put(p, Inbound(trip.version, trip.values, due, job.pushed_at, late))
+
+
+def push_due(link: DecoupledSync, params: Any, due: list[int]) -> None:
+    """After a step: pushes the fragments `due` now and those held, unless under way.
+
+    A fragment due while its last round trip is still under way (a link behind the schedule)
+    is held, not queued (`under_way`): pushed with every step since once the trip ends.
+    """
+    for p in sorted(set(due) | link.held):
+        if link._under_way(p):
+            link.deferred += p not in link.held
+            link.held.add(p)
+        else:
+            link.held.discard(p)
+            if link.steps_since[p]:  # (none: a fragment skipping a lease's covered batches)
+                link._launch(params, p)
+
+
+def flush(link: DecoupledSync, params: Any, final: bool) -> None:
+    """Pushes every fragment's steps since its last push, held or not; waits for delivery.
+
+    Undelivered pushes are given up after 2 × `rpc_timeout_s` (`pushes_unsent`).
+    """
+    for p in range(len(link.cut)):
+        if link.steps_since[p]:
+            link.held.discard(p)
+            link._launch(params, p, final=final)
+    deadline = time.monotonic() + 2 * link.config.decoupled.syncer.rpc_timeout_s
+    while link.outbox.unsent() and time.monotonic() < deadline and not link.stop.wait(0.02):
+        pass
 
 
 def under_way(link: DecoupledSync, p: int) -> bool:

@@ -32,6 +32,16 @@ class Encoded:
 
 
 @dataclasses.dataclass
+class Late:
+    """A push the syncer refused as late, whose work the learner rebases (`Inbound.late`)."""
+
+    steps: int
+    tokens: int
+    data: list[list[int]]  # the leased batches it held
+    reference: list[np.ndarray]  # what its Δ was taken from (the anchor, or `origin`)
+
+
+@dataclasses.dataclass
 class Inbound:
     """A merged fragment waiting for its step boundary."""
 
@@ -39,6 +49,9 @@ class Inbound:
     values: list[np.ndarray]
     apply_after_step: int
     pushed_at: int = -1  # the step of the push this merge answers (-1: unknown)
+    # The current values after a late refusal of that push: applied keeping every step since
+    # the push's reference, whose counts and data go with the next push (`push.sync`).
+    late: Late | None = None
 
 
 @dataclasses.dataclass
