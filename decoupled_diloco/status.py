@@ -104,10 +104,10 @@ def _serve(address: str, config: SyncerConfig, token: str) -> None:
         ).start()  # fmt: skip
     except (ValueError, RuntimeError) as error:  # no token; the port is taken
         sys.exit(str(error))
-    print(f"job page at {monitor.login_url()} (Ctrl+C to stop)", flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the line a caller may act on
         signal.signal(sig, lambda *_: stop.set())
+    print(f"job page at {monitor.login_url()} (Ctrl+C to stop)", flush=True)
     while not stop.wait(1.0):  # (signal handlers run between the waits)
         pass
     monitor.stop()

@@ -115,6 +115,9 @@ def test_pushes_must_name_leases_their_learner_was_handed_and_count_their_steps(
     assert "never handed" in elastic.check_data(state, 0, 3, [[1, 0, 3]])
     assert "steps=2" in elastic.check_data(state, 0, 2, [[0, 0, 3]])
     assert "outside" in elastic.check_data(state, 0, 30, [[0, 0, 30]])
+    # One push never counts a batch twice (a learner that trained its batches again).
+    overlap = elastic.check_data(state, 0, 5, [[0, 0, 3], [0, 1, 3]])
+    assert "overlap: [1, 3) of lease 0" in overlap
     # A constant global batch counts units of rows: a step trains 1 .. 2 x 8 of them (all of
     # the 2 starting learners' batch, 8 rows each, when one learner is left).
     config = config_lib.replace(config, **{"decoupled.global_batch": "constant"})

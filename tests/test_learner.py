@@ -315,6 +315,53 @@ def test_the_work_of_a_push_refused_as_late_goes_with_the_next_push():
         cluster.close()
 
 
+def test_a_pause_rebases_a_late_push_before_its_flush():
+    # A learner whose lease ran out pauses (flushes, then asks for leases as flushed): a late
+    # push's merge that came before its τ steps were up is applied at the pause, so that the
+    # flush carries that push's work; asked as flushed before, the learner could be handed its
+    # own batches again and push them twice. The loop's next `apply_arrivals` returns the
+    # parameters the pause made.
+    config = _config(
+        inner_steps=4,
+        train_steps=64,
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 1,
+            "decoupled.overlap_steps": 2,
+            "decoupled.data_shards": 4,
+            "decoupled.grace_safety": 0.5,
+            "decoupled.syncer.max_staleness": 0,
+            "outer.lr": 1.0,
+            "outer.momentum": 0.0,
+            "outer.nesterov": False,
+        },
+    )
+    cluster = _Cluster(config)
+    try:
+        state = cluster.server.state
+        state.ema_step.update(1.0)
+        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+        assert zero.sync.client.lease(0).lease == 0 and one.sync.client.lease(1).lease == 1
+        for i in range(4):
+            one.sync.step_done(_shift(params1, -0.25), 64, data=(1, i))
+        _wait(lambda: cluster.fragment(0).version == 1, "learner 1's merge")
+        theta1 = [np.array(x) for x in cluster.fragment(0).values]
+        for i in range(4):
+            zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
+        _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
+        zero.sync.flush(final=False)  # the pause: rebased, then pushed from version 1
+        assert zero.sync.rebased == 1 and zero.sync.versions == [1]
+        _wait(lambda: cluster.fragment(0).version == 2, "the pause's merge")
+        assert state.merge_log[-1]["learners"] == [0] and state.merge_log[-1]["steps"] == [4]
+        for value, before in zip(cluster.fragment(0).values, theta1, strict=True):
+            np.testing.assert_allclose(value, before - 0.25, rtol=1e-6, atol=1e-6)  # 1 of 2
+        got = _leaves(zero.sync, zero.sync.apply_arrivals(params0))  # the pause's parameters
+        for spec, want in zip(zero.sync.cut[0], theta1, strict=True):
+            np.testing.assert_allclose(got[spec.index], want - 0.5, rtol=1e-6, atol=1e-6)
+    finally:
+        cluster.close()
+
+
 @pytest.mark.parametrize("on_arrival", [False, True])
 def test_a_merge_waits_tau_steps_unless_applied_on_arrival_and_its_lag_is_logged(on_arrival):
     config = _config(

@@ -338,9 +338,9 @@ def _table(rows, shown, seconds, args, workload, shaping, counts, failures) -> s
         "and 100B). Each row's command is in its workdir's `summary.json` (`command`).\n",
         "| setting | link | rate here (Mbit/s) | utilisation | planned | Δ (points) "
         "| without final flush | planned, long run | Δ (points) | planned interval (steps) "
-        "| late / unsent | stall max | goodput "
+        "| late / unsent | steps / budget | stall max | goodput "
         "| wall (s) | final eval loss | vs unlimited | MB sent | link load (Mbit/s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
     for setting, link, gbps, mbit, s, u, u_noflush, planned, long_run, interval in rows:
@@ -348,7 +348,7 @@ def _table(rows, shown, seconds, args, workload, shaping, counts, failures) -> s
             why = failures[(setting.name, gbps)].replace("|", "/")
             lines.append(
                 f"| {setting.name} | {link} | {mbit:.3f} | **failed**: {why} | {planned:.3f} "
-                f"|{' — |' * 13}"
+                f"|{' — |' * 14}"
             )
             continue
         loss = s["final_eval_loss"]
@@ -363,11 +363,18 @@ def _table(rows, shown, seconds, args, workload, shaping, counts, failures) -> s
             f"| {100 * (long_run - u_noflush):+.1f} | {_cell(interval)} "
             f"| {sum(x['pushes']['late'] for x in s['learners'])} / "
             f"{sum(x['pushes_unsent'] for x in s['learners'])} "
+            f"| {_steps_over_budget(s, args.learners, args.steps)} "
             f"| {s['stall_fraction_max']:.4f} | "
             f"{s.get('goodput', float('nan')):.3f} | {s['wall_s']:.0f} | {loss_cell} | {ratio} | "
             f"{s['bytes_sent'] / 1e6:.1f} | {link_load_mbit(s):.3f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _steps_over_budget(summary: dict, learners: int, steps: int) -> str:
+    """Inner steps the learners trained over the budget's (> 1: data trained again)."""
+    done = sum(x.get("steps", 0) for x in summary["learners"])
+    return f"{done / (learners * steps):.2f}"
 
 
 def _cell(value: float) -> str:

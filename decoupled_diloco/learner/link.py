@@ -48,7 +48,7 @@ from decoupled_diloco.learner import mesh_merge, progress, push
 from decoupled_diloco.learner.encoder import MeshEncoder
 from decoupled_diloco.learner.inbox import Inbox
 from decoupled_diloco.learner.outbox import Outbox
-from decoupled_diloco.learner.round_trip import Inbound, Late, Outgoing, Trip
+from decoupled_diloco.learner.round_trip import Inbound, Outgoing, Trip
 from decoupled_diloco.learner.schedule import Schedule
 
 Params = Any
@@ -264,13 +264,17 @@ class DecoupledSync:
 
     def apply_arrivals(self, params: Params) -> Params:
         """Merges every fragment whose overlap has passed into `params` (see `merge_back`)."""
-        if self._initial is not None:  # the first call inside `with`: the joined global values
-            params, self._initial = self._initial, None
+        if self._initial is not None:  # the first call inside `with` (the joined global
+            params, self._initial = self._initial, None  # values), or after a pause's merges
         t0 = time.perf_counter()
         if self.config.decoupled.wait_for_merge:
             push.wait_for_due_merges(self)
         ready = self._take_ready()
         self.blocked_s += time.perf_counter() - t0
+        return self._merge(params, ready)
+
+    def _merge(self, params: Params, ready: dict[int, Inbound]) -> Params:
+        """`params` with the `ready` merged fragments merged back (`apply_arrivals`)."""
         if not ready:
             return params
         leaves = self.treedef.flatten_up_to(params)
@@ -291,7 +295,7 @@ class DecoupledSync:
             at_push = self.at_push.pop(p, None) if d.keep_overlap else None
             unsent = residual is not None and latest
             if inbound.late is not None and latest:  # rebased: every step since its reference
-                at_push, unsent = self._rebase(p, inbound.late), False
+                at_push, unsent = push.rebase(self, p, inbound.late), False
             merged = [
                 self._place(v, self.shardings[x.index])
                 for x, v in zip(self.cut[p], inbound.values, strict=True)
@@ -352,7 +356,7 @@ class DecoupledSync:
         for p in range(len(self.cut)):
             if p in self.covered:  # its refused steps (and this one) must not reach a push
                 self.covered.discard(p)
-                self._restart_count(params, p)
+                push.restart_count(self, params, p)
                 continue
             skipped = p in self.skip and [r for r in ranges if r[0] == self.skip[p][0]]
             if skipped:  # covered data: not counted
@@ -372,18 +376,6 @@ class DecoupledSync:
         self.schedule.step_finished(self.step)
         push.push_due(self, params, self.schedule.due(self.step))
 
-    def _restart_count(self, params: Params, p: int) -> None:
-        """Fragment p's outer gradient counts from θ now; what it counted since is dropped.
-
-        After a push refused as "covered" the dropped steps' data is not in the global model
-        from this learner: the ledger sees a hole, which is handed again (lost compute, not
-        lost data). A push of p launched before the refusal came back is not recalled.
-        """
-        leaves = F.gather(self.treedef.flatten_up_to(params), self.cut[p])
-        self.origin[p] = self._to_host(leaves)
-        self.steps_since[p] = self.tokens_since[p] = 0
-        self.data_since[p] = []
-
     def lease_started(self, lease: int, begin: int, covered: list[int]) -> None:
         """A lease (handed again) starts at `begin`; fragment p's pushes hold it to covered[p].
 
@@ -394,50 +386,26 @@ class DecoupledSync:
             if until > begin:
                 self.skip[p] = (lease, until)
 
-    def _rebase(self, p: int, late: Late) -> list[jax.Array]:
-        """A push of p refused as late: its counts and data go with the next push.
-
-        Returns what the current values are applied against (`merge_back`'s `at_push`): the
-        refused push's reference, so that θ keeps all the progress since it and the next
-        push's Δ (from the current values) holds the refused steps too. A compressed push's
-        error-feedback residual of p is dropped (it counted the refused push as sent).
-        """
-        self.steps_since[p] += late.steps
-        self.tokens_since[p] += late.tokens
-        ranges: list[list[int]] = []
-        for lease, begin, end in late.data + self.data_since[p]:
-            if ranges and ranges[-1][0] == lease and ranges[-1][2] == begin:
-                ranges[-1][2] = end
-            else:
-                ranges.append([lease, begin, end])
-        self.data_since[p] = ranges
-        self.rebased += 1
-        self.encoder.forget(p)
-        return [
-            self._place(v, self.shardings[x.index])
-            for x, v in zip(self.cut[p], late.reference, strict=True)
-        ]
-
     def arrived(self) -> dict[int, int]:
         """Merged fragments that have arrived and wait for their step: fragment -> version."""
         return self.inbox.waiting()
 
     def flush(self, params: Params = None, final: bool = True) -> float:
-        """Pushes the steps since each fragment's last push; waits for them (bounded).
+        """Pushes the steps since each fragment's last push; waits for delivery (`push.flush`).
 
         Args:
           params: the parameters now; default those of the last `step_done`.
-          final: the run's end: nothing more is trained, no merge is waited for. Else a pause
-            (a leased learner waiting for a lease): the pushes are ordinary ones, whose merges
-            come back as the anchors the next steps count from (a final push's progress would
-            be counted again by the next push from the same anchor).
-        The wait is for delivery (not for merges: the learner stops, or idles for a lease).
+          final: the run's end (no merge is waited for); else a pause, a leased learner waiting
+            for a lease: ordinary pushes, whose merges come back as its anchors (a final push's
+            progress would be counted again by the next push from the same anchor).
 
         Returns:
-          Seconds it took (the pushes' host copies or encodings, and the wait). Pushes still
-          undelivered after 2 × `rpc_timeout_s` are given up (`pushes_unsent` in the summary).
+          Seconds it took. Pushes still undelivered after 2 × `rpc_timeout_s` are given up
+          (`pushes_unsent` in the summary).
         """
         t0 = time.perf_counter()
+        if self._initial is not None:  # what the next `apply_arrivals` returns: the latest
+            params = self._initial
         push.flush(self, self._last if params is None else params, final)
         return time.perf_counter() - t0
 

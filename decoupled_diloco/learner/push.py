@@ -163,8 +163,15 @@ def push_due(link: DecoupledSync, params: Any, due: list[int]) -> None:
 def flush(link: DecoupledSync, params: Any, final: bool) -> None:
     """Pushes every fragment's steps since its last push, held or not; waits for delivery.
 
+    A pause (not `final`) is a step boundary without a step after it soon: every merge that
+    has arrived is applied first, so that the work of a push refused as late is rebased and
+    goes with these pushes before the learner asks for leases as flushed (and could be handed
+    its batches again); the link's next `apply_arrivals` returns the parameters they made.
     Undelivered pushes are given up after 2 × `rpc_timeout_s` (`pushes_unsent`).
     """
+    if not final and link.rebases and link.inbox.waiting():
+        ready = link.inbox.take_ready(sys.maxsize)
+        params = link._initial = link._last = link._merge(params, ready)
     for p in range(len(link.cut)):
         if link.steps_since[p]:
             link.held.discard(p)
@@ -196,6 +203,60 @@ def under_way(link: DecoupledSync, p: int) -> bool:
     if ticket is None or ticket.settled_at is None:  # still sending (or retrying)
         return True
     return time.monotonic() - ticket.settled_at < link.config.decoupled.syncer.rpc_timeout_s
+
+
+def restart_count(link: DecoupledSync, params: Any, p: int) -> None:
+    """Fragment p's outer gradient counts from θ now; what it counted since is dropped.
+
+    After a push refused as "covered" the dropped steps' data is not in the global model from
+    this learner: the ledger sees a hole, which is handed again (lost compute, not lost data).
+    A push of p launched before the refusal came back is not recalled.
+    """
+    leaves = F.gather(link.treedef.flatten_up_to(params), link.cut[p])
+    link.origin[p] = link._to_host(leaves)
+    link.steps_since[p] = link.tokens_since[p] = 0
+    link.data_since[p] = []
+
+
+def rebase(link: DecoupledSync, p: int, late: Late) -> list[jax.Array]:
+    """A push of p refused as late, its merge applied now: its counts and data go with the next.
+
+    Returns what the current values are applied against (`merge_back`'s `at_push`): the
+    refused push's reference, so that θ keeps all the progress since it and the next push's Δ
+    (from the current values) holds the refused steps too. A compressed push's error-feedback
+    residual of p is dropped (it counted the refused push as sent).
+    """
+    steps, tokens, link.data_since[p] = rebased(late, link.data_since[p])
+    link.steps_since[p] += steps
+    link.tokens_since[p] += tokens
+    link.rebased += 1
+    link.encoder.forget(p)
+    return [
+        link._place(v, link.shardings[x.index])
+        for x, v in zip(link.cut[p], late.reference, strict=True)
+    ]
+
+
+def rebased(late: Late, since: list[list[int]]) -> tuple[int, int, list[list[int]]]:
+    """A late push's steps and tokens to count again, and its batches before `since`'s.
+
+    Batches trained again since (handed back before the merge came) are counted once: the
+    late push's ranges overlapping them are left out, with their share of its steps and
+    tokens.
+    """
+    kept = [
+        r for r in late.data
+        if not any(r[0] == x[0] and r[1] < x[2] and x[1] < r[2] for x in since)
+    ]  # fmt: skip
+    total = sum(e - b for _, b, e in late.data)
+    share = sum(e - b for _, b, e in kept) / total if total else 1.0
+    ranges: list[list[int]] = []
+    for lease, begin, end in kept + since:
+        if ranges and ranges[-1][0] == lease and ranges[-1][2] == begin:
+            ranges[-1][2] = end
+        else:
+            ranges.append([lease, begin, end])
+    return round(late.steps * share), round(late.tokens * share), ranges
 
 
 def wait_for_due_merges(link: DecoupledSync) -> None:

@@ -31,6 +31,7 @@ state goes into the syncer's snapshots (`to_json`) and every grant into the writ
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -153,6 +154,10 @@ class Ledger:
                     f"data range [{begin}, {end}) of lease {lease} is empty or outside its "
                     f"{self.lengths[lease]} batches"
                 )
+        spans = sorted((int(lease), int(begin), int(end)) for lease, begin, end in ranges)
+        for (lease, _, end), (other, begin, _) in itertools.pairwise(spans):
+            if lease == other and begin < end:  # one push would count these batches twice
+                return f"data ranges overlap: [{begin}, {end}) of lease {lease} twice"
         return None
 
     def held(
