@@ -11,7 +11,6 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco.config import overlap_steps
 from decoupled_diloco.learner.loop import Learner
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
@@ -237,24 +236,26 @@ def test_a_fragment_due_while_its_round_trip_is_under_way_is_held_then_pushed_wh
 
 
 def test_a_pause_between_leases_pushes_ordinary_pushes_whose_merges_become_anchors():
-    # A leased learner with no lease free flushes what it trained (`flush(final=False)`). Its
-    # pushes' merges must come back as its anchors: a final push brings none, and the next
-    # push, anchored where the flushed one was, would carry the flushed progress again (and,
-    # its anchor ever older, be refused as late: holes handed again and again).
+    # A leased learner with no lease free pushes what it trained (`pause`, polled until it
+    # says settled). Its pushes' merges must come back as its anchors: a final push brings
+    # none, and the next push, anchored where the flushed one was, would carry the flushed
+    # progress again (and, its anchor ever older, be refused as late: holes handed again).
     config = _config(inner_steps=8, **{"decoupled.fragments": 2, "decoupled.quorum": 1})
     cluster = _Cluster(config)
     try:
         zero, params = cluster.join(0)
         _steps(zero.sync, _shift(params, -0.25), 2)  # neither fragment due yet
-        zero.sync.flush(final=False)
-        assert zero.sync.outbox.unsent() == 0 and zero.sync.steps_since == [0, 0]
-        _wait(lambda: zero.sync.arrived() == {0: 1, 1: 1}, "both merges")
-        _steps(zero.sync, _shift(params, -0.25), overlap_steps(config))
-        params = zero.sync.apply_arrivals(_shift(params, -0.25))
-        assert zero.sync.versions == [1, 1]
+        assert not zero.sync.pause()  # pushed, not settled
+        assert zero.sync.steps_since == [0, 0] and zero.sync.rounds == [1, 1]
+        _wait(zero.sync.pause, "the pause settled: both merges back and applied")
+        assert zero.sync.versions == [1, 1] and zero.sync.rounds == [1, 1]
         for p in (0, 1):  # the anchors are the merged values
             for x, want in zip(zero.sync.anchor[p], cluster.fragment(p).values, strict=True):
                 np.testing.assert_array_equal(x, want)
+        got = _leaves(zero.sync, zero.sync.apply_arrivals(params))  # the pause's parameters
+        for p in (0, 1):
+            for spec, want in zip(zero.sync.cut[p], cluster.fragment(p).values, strict=True):
+                np.testing.assert_array_equal(got[spec.index], want)
     finally:
         cluster.close()
 
@@ -316,11 +317,11 @@ def test_the_work_of_a_push_refused_as_late_goes_with_the_next_push():
 
 
 def test_a_pause_rebases_a_late_push_before_its_flush():
-    # A learner whose lease ran out pauses (flushes, then asks for leases as flushed): a late
-    # push's merge that came before its τ steps were up is applied at the pause, so that the
-    # flush carries that push's work; asked as flushed before, the learner could be handed its
+    # A learner whose lease ran out pauses (pushes, then asks for leases as flushed): a late
+    # push's merge that came before its τ steps were up is applied at the pause, so that its
+    # pushes carry that push's work; asked as flushed before, the learner could be handed its
     # own batches again and push them twice. The loop's next `apply_arrivals` returns the
-    # parameters the pause made.
+    # parameters the pause made (Θ_2: nothing trained since its push).
     config = _config(
         inner_steps=4,
         train_steps=64,
@@ -349,15 +350,16 @@ def test_a_pause_rebases_a_late_push_before_its_flush():
         for i in range(4):
             zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
         _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
-        zero.sync.flush(final=False)  # the pause: rebased, then pushed from version 1
+        assert not zero.sync.pause()  # rebased, then pushed from version 1
         assert zero.sync.rebased == 1 and zero.sync.versions == [1]
-        _wait(lambda: cluster.fragment(0).version == 2, "the pause's merge")
+        _wait(zero.sync.pause, "the pause settled")
+        assert zero.sync.versions == [2] and cluster.fragment(0).version == 2
         assert state.merge_log[-1]["learners"] == [0] and state.merge_log[-1]["steps"] == [4]
         for value, before in zip(cluster.fragment(0).values, theta1, strict=True):
             np.testing.assert_allclose(value, before - 0.25, rtol=1e-6, atol=1e-6)  # 1 of 2
         got = _leaves(zero.sync, zero.sync.apply_arrivals(params0))  # the pause's parameters
-        for spec, want in zip(zero.sync.cut[0], theta1, strict=True):
-            np.testing.assert_allclose(got[spec.index], want - 0.5, rtol=1e-6, atol=1e-6)
+        for spec, want in zip(zero.sync.cut[0], cluster.fragment(0).values, strict=True):
+            np.testing.assert_array_equal(got[spec.index], want)  # its progress is in Θ_2
     finally:
         cluster.close()
 

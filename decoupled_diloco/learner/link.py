@@ -390,14 +390,10 @@ class DecoupledSync:
         """Merged fragments that have arrived and wait for their step: fragment -> version."""
         return self.inbox.waiting()
 
-    def flush(self, params: Params = None, final: bool = True) -> float:
-        """Pushes the steps since each fragment's last push; waits for delivery (`push.flush`).
+    def flush(self, params: Params = None) -> float:
+        """The run's end: pushes the steps since each fragment's last push; waits for delivery.
 
-        Args:
-          params: the parameters now; default those of the last `step_done`.
-          final: the run's end (no merge is waited for); else a pause, a leased learner waiting
-            for a lease: ordinary pushes, whose merges come back as its anchors (a final push's
-            progress would be counted again by the next push from the same anchor).
+        `params`: the parameters now; default those of the last `step_done`.
 
         Returns:
           Seconds it took. Pushes still undelivered after 2 × `rpc_timeout_s` are given up
@@ -406,8 +402,12 @@ class DecoupledSync:
         t0 = time.perf_counter()
         if self._initial is not None:  # what the next `apply_arrivals` returns: the latest
             params = self._initial
-        push.flush(self, self._last if params is None else params, final)
+        push.flush(self, self._last if params is None else params, final=True)
         return time.perf_counter() - t0
+
+    def pause(self) -> bool:
+        """One poll of a leased learner's wait for a lease: whether it is settled (`push.pause`)."""
+        return push.pause(self, self._initial if self._initial is not None else self._last)
 
     def close(self) -> None:
         """Stops the background work, tells the syncer this learner is done, closes the client."""

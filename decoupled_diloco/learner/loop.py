@@ -171,17 +171,23 @@ class Learner:
         return reply if reply is not None else types.SimpleNamespace(status="done")
 
     def _idle(self) -> bool:
-        """No lease free yet: pushes everything trained so far; whether all of it is delivered.
+        """No lease free yet: pushes everything trained so far; whether all of it is settled.
 
-        The flush (its wait bounded) is the first call's of a wait for a lease, which the
-        timeline shows as blocked, then waiting; called again while the answer is False, it
-        only says whether the pushes still crossing have been delivered since.
+        Called on each poll of a wait for a lease until it answers True (`DecoupledSync.pause`);
+        the timeline shows the first call as blocked, then waiting. The time from the first
+        call until settled is `flush_since_step` (at the end, the final flush's).
         """
         if self.state != "waiting":
             self._mark("blocked", self.step)
-            self.flush_since_step += self.sync.flush(final=False)
+            self._pause_t0 = time.perf_counter()
+            settled = self.sync.pause()
             self._mark("waiting", self.step)
-        return self.sync.outbox.unsent() == 0
+        else:
+            settled = self.sync.pause()
+        if settled and self._pause_t0 is not None:
+            self.flush_since_step = time.perf_counter() - self._pause_t0
+            self._pause_t0 = None
+        return settled
 
     def _mark(self, state: str, step: int = -1) -> None:
         """Records a state change (`self.state`), and in the timeline if any."""
@@ -232,6 +238,7 @@ class Learner:
         # that finds no lease left flushes before it asks again: at the end that was the
         # final flush's pushing).
         self.flush_since_step = 0.0
+        self._pause_t0: float | None = None  # when the current wait for a lease began
         if leased:
             per_step = functools.cache(lambda live: units_per_step(c, live))  # (per live count)
             source = leases.leased_batches(

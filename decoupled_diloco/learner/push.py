@@ -160,18 +160,39 @@ def push_due(link: DecoupledSync, params: Any, due: list[int]) -> None:
                 link._launch(params, p)
 
 
+def pause(link: DecoupledSync, params: Any) -> bool:
+    """One poll of a leased learner's wait for a lease; whether all it trained is settled.
+
+    A pause is a step boundary with no step after it soon. Once no push is crossing or waiting
+    for its merge (`under_way`), every merge that came back is applied (the work of a push
+    refused as late rebased: `rebase`) and what was trained since is pushed as ordinary
+    pushes, whose merges come back as anchors; settled once none is left to push or under
+    way, so that the syncer hands the learner back none of the batches it still holds. The
+    link's next `apply_arrivals` returns the parameters the merges made. A multi-process
+    island (no `rebases`: its processes push together) flushes once and waits for delivery.
+    """
+    if not link.rebases:
+        if any(link.steps_since):
+            flush(link, params, final=False)
+        return link.outbox.unsent() == 0
+    back = link.inbox.waiting()
+    if any(p not in back and under_way(link, p) for p in range(len(link.cut))):
+        return False
+    if back:
+        ready = link.inbox.take_ready(sys.maxsize)
+        params = link._initial = link._last = link._merge(params, ready)
+    pushed = [p for p in range(len(link.cut)) if link.steps_since[p]]
+    for p in pushed:
+        link.held.discard(p)
+        link._launch(params, p)
+    return not pushed and link.outbox.unsent() == 0
+
+
 def flush(link: DecoupledSync, params: Any, final: bool) -> None:
     """Pushes every fragment's steps since its last push, held or not; waits for delivery.
 
-    A pause (not `final`) is a step boundary without a step after it soon: every merge that
-    has arrived is applied first, so that the work of a push refused as late is rebased and
-    goes with these pushes before the learner asks for leases as flushed (and could be handed
-    its batches again); the link's next `apply_arrivals` returns the parameters they made.
     Undelivered pushes are given up after 2 × `rpc_timeout_s` (`pushes_unsent`).
     """
-    if not final and link.rebases and link.inbox.waiting():
-        ready = link.inbox.take_ready(sys.maxsize)
-        params = link._initial = link._last = link._merge(params, ready)
     for p in range(len(link.cut)):
         if link.steps_since[p]:
             link.held.discard(p)
