@@ -727,3 +727,33 @@ def test_callers_that_never_send_a_body_hold_no_thread(hp, server, peer):
     assert set(codes[100:]) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
     assert max(latencies) < 5.0
     assert_unchanged(server, before, peer)
+
+
+def test_a_push_crossing_a_slow_link_keeps_its_learner_live(hp):
+    """Behind a saturated slow uplink a learner's heartbeats wait behind its push's chunks
+    (measured over 30 s at 0.136 Mbit/s): the chunks arriving show it alive, so its leases
+    are not handed to others while it pushes. A learner silent as long is not live."""
+    config = _config(**{"decoupled.syncer.learner_timeout_s": 1.0})
+    server = SyncerServer(config, host="127.0.0.1", port=0, token=TOKEN).start()
+    peer = Peer(hp, server.port, TOKEN)
+    try:
+        for i in (0, 1):
+            peer.register(i, server.fingerprint)
+        state, specs = server.state, server.state.fragments[0].specs
+        chunks = peer.chunks(specs, small(specs), learner=0, fragment=0, rnd=0, chunk=256)
+        assert len(chunks) > 30
+        live = []
+
+        def paced():  # 3 s of chunks, as a slow link delivers them
+            for n, chunk in enumerate(chunks):
+                if n < 30:
+                    time.sleep(0.1)
+                    live.append(state.live_learners(state.clock()))
+                yield chunk
+
+        assert peer.push_raw(paced(), timeout=30).accepted
+        assert all(0 in x for x in live)
+        assert 1 not in live[-1]  # registered, then silent for ~3 s
+    finally:
+        peer.close()
+        server.stop(0)

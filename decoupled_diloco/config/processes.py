@@ -30,9 +30,11 @@ class SyncerConfig:
         timeout is 10 times this, at least 60 s (a ping waits behind a saturated link's queue).
       retries: retries of a failed RPC (with backoff) before the learner reports an error.
       heartbeat_s: seconds between a learner's heartbeats.
-      learner_timeout_s: a learner silent this long no longer counts towards the quorum.
+      learner_timeout_s: a learner silent this long (no heartbeat, lease request or push
+        chunk) no longer counts towards the quorum, and its data leases are handed again.
       max_grace_s: upper bound of the adaptive grace window, in seconds.
-      max_staleness: pushes anchored more than this many versions behind are dropped as late.
+      max_staleness: pushes anchored more than this many versions behind are refused as late
+        (their learner sends the work again with its next push: `learner.push.rebase`).
       shards: S syncer processes; shard s owns the fragments p with p % S == s, keeps its own
         checkpoints, and fails alone (learners keep syncing the other shards' fragments).
       snapshot_s: a checkpointing syncer writes an Orbax snapshot of its state at most this

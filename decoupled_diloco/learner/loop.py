@@ -173,20 +173,19 @@ class Learner:
     def _idle(self) -> bool:
         """No lease free yet: pushes everything trained so far; whether all of it is settled.
 
-        Called on each poll of a wait for a lease until it answers True (`DecoupledSync.pause`);
-        the timeline shows the first call as blocked, then waiting. The time from the first
-        call until settled is `flush_since_step` (at the end, the final flush's).
+        Called on each poll of a wait for a lease until it answers True (`DecoupledSync.pause`).
+        The timeline shows the learner blocked until its work is settled (pushing it is its
+        own work, as the final flush is), then waiting; that time is `flush_since_step` (at the
+        end, the final flush's).
         """
-        if self.state != "waiting":
+        if self._pause_t0 is None and self.state != "waiting":  # the pause's first poll
             self._mark("blocked", self.step)
             self._pause_t0 = time.perf_counter()
-            settled = self.sync.pause()
-            self._mark("waiting", self.step)
-        else:
-            settled = self.sync.pause()
+        settled = self.sync.pause()
         if settled and self._pause_t0 is not None:
             self.flush_since_step = time.perf_counter() - self._pause_t0
             self._pause_t0 = None
+            self._mark("waiting", self.step)
         return settled
 
     def _mark(self, state: str, step: int = -1) -> None:
@@ -300,7 +299,7 @@ class Learner:
                 )
             )
             self.sync.step_done(state.params, tokens, loss, data=where)
-            self.flush_since_step = 0.0
+            self.flush_since_step, self._pause_t0 = 0.0, None
             if self.checkpoints is not None and self.checkpoints.due(step, last_step):
                 # Dispatched steps finish first: their compute is stepping time, not saving.
                 loss.block_until_ready()
@@ -323,6 +322,8 @@ class Learner:
             if leased and self.step and not self.checkpoints.due(self.step, -1):
                 self.checkpoints.save(self, state, None)  # (its last step is known only now)
             self.checkpoints.wait()
+        if self._pause_t0 is not None:  # the budget was covered while a pause was settling
+            self.flush_since_step = time.perf_counter() - self._pause_t0
         self._mark("blocked")  # the final flush
         flush_s = self.flush_since_step + self.sync.flush(state.params)
         self.sync.close()

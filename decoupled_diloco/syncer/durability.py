@@ -83,7 +83,7 @@ def snapshot(
     learners = {}
     for i, info in state.learners.items():
         entry = dataclasses.asdict(info)
-        for clocked in ("last_seen", "pace_from", "seen_step_s"):  # (this process's clock)
+        for clocked in ("last_seen", "last_chunk", "pace_from", "seen_step_s"):  # (this clock)
             entry.pop(clocked)
         learners[str(i)] = entry
     meta = {

@@ -30,7 +30,7 @@ def live_learners(state: Any, now: float) -> list[int]:
     return [
         i
         for i, info in state.learners.items()
-        if info.state != "done" and now - info.last_seen <= timeout
+        if info.state != "done" and now - max(info.last_seen, info.last_chunk) <= timeout
     ]
 
 

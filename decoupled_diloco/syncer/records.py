@@ -112,7 +112,10 @@ class LearnerInfo:
     loss: float = float("nan")
     eval_loss: float = float("nan")
     state: str = "registered"
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # its last heartbeat, registration, lease request or push
+    # Its last push chunk: behind a saturated slow uplink, heartbeats wait behind the push
+    # data (measured: over 30 s at 0.136 Mbit/s) while the chunks show the learner alive.
+    last_chunk: float = 0.0
     versions: list[int] = dataclasses.field(default_factory=list)
     blocked_s: float = 0.0
     step_time_s: float = 0.0

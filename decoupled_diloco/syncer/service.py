@@ -369,8 +369,15 @@ class SyncerService(pb_grpc.SyncerServicer):
             activity.hold()  # complete: the merge and the commit wait are not idleness
             self._count("received", n)
 
+        info = self.state.learners.get(h.learner_id)
+
+        def touch() -> None:  # the call moves, and its learner is alive (`live_learners`)
+            activity.touch()
+            if info is not None:
+                info.last_chunk = self.state.clock()
+
         try:
-            streams.receive(first, request_iterator, expected, file, activity.touch, ended)
+            streams.receive(first, request_iterator, expected, file, touch, ended)
         except wire.PayloadError as error:
             self._refuse(context, _INVALID, str(error))
         path = file.finish()

@@ -60,5 +60,6 @@ def status(state: Any) -> dict[str, Any]:
             (v - h for v, h in zip(versions, info.versions, strict=False)), default=0
         )
         entry.pop("last_seen")
+        entry.pop("last_chunk")
         learners[str(i)] = entry
     return {"learners": learners, **reply}
