@@ -310,8 +310,8 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
     # Uncapped, the greedy push would take (8·256)²/8 / ((4·256)²/4 + (8·256)²/8) = 2/3.
     assert log["weights"][1] / sum(log["weights"]) == pytest.approx(2 / 3)
     assert max(log["shares"]) <= cap + 1e-9 and sum(log["shares"]) == pytest.approx(1.0)
-    # Superseding pushes cannot add their counters past what a learner could train (on data
-    # leases the budget's steps).
+    # Superseding pushes cannot add their counters past the run's length (on data leases a
+    # push naming its batches may count the budget's steps: `max_push_steps`; these name none).
     before = snapshot(state)
     assert state.max_push_steps == max_push_steps(state.config) >= train_steps
     peer.push_raw(
@@ -321,7 +321,7 @@ def test_weight_share_of_one_push_is_capped(hp, server, peer):
             learner=1,
             fragment=1,
             rnd=1,
-            steps=state.max_push_steps,
+            steps=train_steps,
             tokens=tps,
             base=state.fragments[1].version,
         )

@@ -247,12 +247,14 @@ def test_a_pause_between_leases_pushes_ordinary_pushes_whose_merges_become_ancho
         _steps(zero.sync, _shift(params, -0.25), 2)  # neither fragment due yet
         assert not zero.sync.pause()  # pushed, not settled
         assert zero.sync.steps_since == [0, 0] and zero.sync.rounds == [1, 1]
-        _wait(zero.sync.pause, "the pause settled: both merges back and applied")
-        assert zero.sync.versions == [1, 1] and zero.sync.rounds == [1, 1]
-        for p in (0, 1):  # the anchors are the merged values
+        _wait(zero.sync.pause, "the pause settled: both pushes answered")
+        assert zero.sync.pushes["late"] == 0 and zero.sync.rounds == [1, 1]
+        # Their merges come back as anchors (a poll of the pause, or the next step, applies).
+        _wait(lambda: zero.sync.pause() and zero.sync.versions == [1, 1], "both merges")
+        for p in (0, 1):  # the anchors are the merged values, so are the parameters
             for x, want in zip(zero.sync.anchor[p], cluster.fragment(p).values, strict=True):
                 np.testing.assert_array_equal(x, want)
-        got = _leaves(zero.sync, zero.sync.apply_arrivals(params))  # the pause's parameters
+        got = _leaves(zero.sync, zero.sync.apply_arrivals(params))
         for p in (0, 1):
             for spec, want in zip(zero.sync.cut[p], cluster.fragment(p).values, strict=True):
                 np.testing.assert_array_equal(got[spec.index], want)
@@ -321,7 +323,7 @@ def test_a_pause_rebases_a_late_push_before_its_flush():
     # push's merge that came before its τ steps were up is applied at the pause, so that its
     # pushes carry that push's work; asked as flushed before, the learner could be handed its
     # own batches again and push them twice. The loop's next `apply_arrivals` returns the
-    # parameters the pause made (Θ_2: nothing trained since its push).
+    # parameters the pause made (Θ_2 once its merge is back: nothing trained since).
     config = _config(
         inner_steps=4,
         train_steps=64,
@@ -352,11 +354,12 @@ def test_a_pause_rebases_a_late_push_before_its_flush():
         _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
         assert not zero.sync.pause()  # rebased, then pushed from version 1
         assert zero.sync.rebased == 1 and zero.sync.versions == [1]
-        _wait(zero.sync.pause, "the pause settled")
-        assert zero.sync.versions == [2] and cluster.fragment(0).version == 2
+        _wait(zero.sync.pause, "the pause settled: its push answered")
+        _wait(lambda: cluster.fragment(0).version == 2, "the pause's merge")
         assert state.merge_log[-1]["learners"] == [0] and state.merge_log[-1]["steps"] == [4]
         for value, before in zip(cluster.fragment(0).values, theta1, strict=True):
             np.testing.assert_allclose(value, before - 0.25, rtol=1e-6, atol=1e-6)  # 1 of 2
+        _wait(lambda: zero.sync.pause() and zero.sync.versions == [2], "its merge applied")
         got = _leaves(zero.sync, zero.sync.apply_arrivals(params0))  # the pause's parameters
         for spec, want in zip(zero.sync.cut[0], cluster.fragment(0).values, strict=True):
             np.testing.assert_array_equal(got[spec.index], want)  # its progress is in Θ_2
@@ -620,3 +623,16 @@ def test_steps_refused_as_covered_never_reach_a_later_push():
         assert report["repeated"] == 0
     finally:
         cluster.close()
+
+
+def test_a_rebased_push_counts_batches_trained_again_since_once():
+    # Batches handed back and trained again before a late push's merge came are left out of
+    # its rebased ranges (clipped, not dropped whole), with their share of steps and tokens.
+    from decoupled_diloco.learner.push import rebased
+    from decoupled_diloco.learner.round_trip import Late
+
+    late = Late(steps=10, tokens=640, data=[[0, 0, 10]], reference=[])
+    assert rebased(late, [[0, 4, 6]]) == (8, 512, [[0, 0, 4], [0, 6, 10], [0, 4, 6]])
+    assert rebased(late, [[1, 0, 3]]) == (10, 640, [[0, 0, 10], [1, 0, 3]])
+    assert rebased(late, [[0, 10, 12]]) == (10, 640, [[0, 0, 12]])  # contiguous: one range
+    assert rebased(late, [[0, 0, 10]]) == (0, 0, [[0, 0, 10]])

@@ -110,8 +110,9 @@ def data_leases(config: ExperimentConfig) -> bool:
 def max_push_steps(config: ExperimentConfig) -> int:
     """Inner steps one push (a learner's pending pushes of a fragment together) may hold.
 
-    `train_steps`; on data leases the whole budget's steps, `budget_units` (a step trains at
-    least one unit): a learner may train other learners' leases, and a fragment held while
-    its round trip is under way (a slow link) goes with every step since its last push.
+    `train_steps`; on data leases, for a push that names its batches, the whole budget's steps,
+    `budget_units` (a step trains at least one unit): a learner may train other learners'
+    leases, and a fragment held while its round trip is under way (a slow link) goes with
+    every step since its last push.
     """
     return budget_units(config) if data_leases(config) else config.train_steps

@@ -6,7 +6,8 @@ whoever trains it), and asks for the next one as it starts (so a syncer outage a
 end costs no step). Every batch comes with where it is from
 ((lease, position): the link reports it with each push). When no lease is free but leases
 that other live learners hold are not covered yet, the learner pushes everything it trained
-(`on_idle`: its final flush) and asks again every `poll_s`: a learner that dies meanwhile
+(`on_idle`, polled until its work is settled: `DecoupledSync.pause`) and asks again every
+`poll_s`: a learner that dies meanwhile
 leaves its lease to it. It stops when the syncer says the whole budget is covered.
 
 Without leases (static shards), learner i trains its shard i of M for `train_steps` steps.
@@ -57,9 +58,10 @@ def leased_batches(
         trained so far has been pushed.
       start: called with a grant before its first batch (the link's `lease_started`).
       on_idle: pushes everything trained so far (called before waiting for a lease, and
-        while waiting until it returns True: all of it delivered). Only then may the
-        syncer hand a hole in a lease this learner holds back to it (`flushed`): a push
-        still crossing a slow link would otherwise have its batches trained again.
+        while waiting until it returns True: all of it delivered and its merges back).
+        Only then may the syncer hand a hole in a lease this learner holds back to it
+        (`flushed`): a push still crossing a slow link would otherwise have its batches
+        trained again.
       stop: set to stop at the next batch (a learner leaving).
       poll_s: how often to ask again while no lease is free.
       log: where lease changes are reported.

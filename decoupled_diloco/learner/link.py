@@ -158,14 +158,14 @@ class DecoupledSync:
         # many pushes were held so: the link is behind, each fragment syncs less often than H.
         self.held: set[int] = set()
         self.deferred = 0
-        self.rebased = 0  # late pushes whose work went with a later push (`_rebase`)
+        self.rebased = 0  # late pushes whose work went with a later push (`push.rebase`)
         # keep_overlap: per fragment, a device copy of θ at its last push.
         self.at_push: dict[int, list[jax.Array]] = {}
         self.inbox = Inbox()
         # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
         self.pool = futures.ThreadPoolExecutor(max_workers=num * (d.syncer.max_unsent + 1) + 1)
         self.trips: dict[int, futures.Future] = {}  # per fragment, its last push's round trip
-        self.sending: dict[int, Any] = {}  # per fragment, that push's outbox entry
+        self.jobs: dict[int, Outgoing] = {}  # and that push
         self.stop = threading.Event()
         self.heartbeats = progress.Heartbeats(self)  # started by `connect` (or `join`)
         # Progress, as heartbeats report it.
@@ -294,7 +294,7 @@ class DecoupledSync:
             latest = inbound.pushed_at == self.last_push[p]
             at_push = self.at_push.pop(p, None) if d.keep_overlap else None
             unsent = residual is not None and latest
-            if inbound.late is not None and latest:  # rebased: every step since its reference
+            if push.rebasable(self, p, inbound):  # rebased: every step since its reference
                 at_push, unsent = push.rebase(self, p, inbound.late), False
             merged = [
                 self._place(v, self.shardings[x.index])
@@ -393,7 +393,8 @@ class DecoupledSync:
     def flush(self, params: Params = None) -> float:
         """The run's end: pushes the steps since each fragment's last push; waits for delivery.
 
-        `params`: the parameters now; default those of the last `step_done`.
+        `params`: the parameters now; default those of the last `step_done`. After a pause
+        whose merges the loop has not taken yet (`apply_arrivals`), those parameters instead.
 
         Returns:
           Seconds it took. Pushes still undelivered after 2 × `rpc_timeout_s` are given up

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -46,7 +45,6 @@ class Unsent:
     tried: bool = False  # an attempt was made: the syncer may hold it (and its counts)
     superseded: bool = False
     dropped: bool = False
-    settled_at: float | None = None  # time.monotonic() when delivered, refused or given up
 
 
 class Outbox:
@@ -143,6 +141,5 @@ class Outbox:
             return None
         finally:
             with self.lock:
-                ticket.settled_at = time.monotonic()
                 p = ticket.fragment
                 self.pending[p] = [x for x in self.pending[p] if x is not ticket]

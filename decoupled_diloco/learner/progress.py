@@ -88,7 +88,7 @@ def summary(link: DecoupledSync) -> dict[str, Any]:
         "pushes_unsent": link.outbox.unsent(),
         # Pushes held because the fragment's last round trip had not ended (a link behind).
         "pushes_deferred": link.deferred,
-        # Pushes refused as late whose steps and data went with a later push (`_rebase`).
+        # Pushes refused as late whose steps and data went with a later push (`push.rebase`).
         "pushes_rebased": link.rebased,
         "retries": link.client.retries_done + link.retries,
         "errors": link.errors,

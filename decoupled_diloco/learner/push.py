@@ -80,7 +80,7 @@ def launch(link: DecoupledSync, params: Any, p: int, final: bool = False) -> Non
         link.waits[p] = job.round
     trip = link.pool.submit(link._sync, job)
     if not final:  # (a final push brings back no merge)
-        link.trips[p], link.sending[p] = trip, ticket
+        link.trips[p], link.jobs[p] = trip, job
     link.steps_since[p] = link.tokens_since[p] = 0
     link.data_since[p] = []
 
@@ -105,6 +105,7 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
             wait_s=min(link.config.decoupled.syncer.rpc_timeout_s, 5.0),
             outbox=link.outbox,
             on_retry=link._retried,
+            merge_wait_s=link.config.decoupled.syncer.rpc_timeout_s,
         )
     except Exception as error:  # noqa: BLE001 - the step loop must go on; report it.
         if link.stop.is_set():  # gave up at the end: counted in `pushes_unsent`
@@ -134,7 +135,7 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
     if trip.version >= 0:
         due = due_at(link.config, job.pushed_at)
         late = None
-        if trip.outcome == "late" and link.rebases:
+        if trip.late and link.rebases:
             # Its work is not lost: applied on top of the current values, it goes with the
             # next push (on data leases its batches would otherwise be handed out again, and
             # behind a slow link come back late again).
@@ -163,24 +164,26 @@ def push_due(link: DecoupledSync, params: Any, due: list[int]) -> None:
 def pause(link: DecoupledSync, params: Any) -> bool:
     """One poll of a leased learner's wait for a lease; whether all it trained is settled.
 
-    A pause is a step boundary with no step after it soon. Once no push is crossing or waiting
-    for its merge (`under_way`), every merge that came back is applied (the work of a push
-    refused as late rebased: `rebase`) and what was trained since is pushed as ordinary
-    pushes, whose merges come back as anchors; settled once none is left to push or under
-    way, so that the syncer hands the learner back none of the batches it still holds. The
-    link's next `apply_arrivals` returns the parameters the merges made. A multi-process
+    A pause is a step boundary with no step after it soon. Once no push is crossing (not
+    answered yet, or refused as late and its current values not back), every merge that came
+    back is applied (the work of a push refused as late rebased: `rebase`) and what was trained
+    since is pushed as ordinary pushes, whose merges come back as anchors; settled once none
+    is left to push or crossing, so that the syncer hands the learner back none of the batches
+    it still holds. Accepted pushes' merges are not waited for: their data is the syncer's.
+    The link's next `apply_arrivals` returns the parameters the merges made. A multi-process
     island (no `rebases`: its processes push together) flushes once and waits for delivery.
     """
     if not link.rebases:
         if any(link.steps_since):
             flush(link, params, final=False)
         return link.outbox.unsent() == 0
-    back = link.inbox.waiting()
-    if any(p not in back and under_way(link, p) for p in range(len(link.cut))):
+    # (Crossing first: a trip puts its merge in the inbox before it ends.)
+    if any(crossing(link, p) for p in range(len(link.cut))):
         return False
-    if back:
+    if link.inbox.waiting():
         ready = link.inbox.take_ready(sys.maxsize)
         params = link._initial = link._last = link._merge(params, ready)
+    drop_covered(link, params)
     pushed = [p for p in range(len(link.cut)) if link.steps_since[p]]
     for p in pushed:
         link.held.discard(p)
@@ -188,11 +191,20 @@ def pause(link: DecoupledSync, params: Any) -> bool:
     return not pushed and link.outbox.unsent() == 0
 
 
+def crossing(link: DecoupledSync, p: int) -> bool:
+    """Whether fragment p's last push is unanswered, or refused as late with its trip on."""
+    trip, job = link.trips.get(p), link.jobs.get(p)
+    if trip is None or trip.done() or job is None:
+        return False
+    return job.answered_late is not False
+
+
 def flush(link: DecoupledSync, params: Any, final: bool) -> None:
     """Pushes every fragment's steps since its last push, held or not; waits for delivery.
 
     Undelivered pushes are given up after 2 × `rpc_timeout_s` (`pushes_unsent`).
     """
+    drop_covered(link, params)
     for p in range(len(link.cut)):
         if link.steps_since[p]:
             link.held.discard(p)
@@ -213,17 +225,19 @@ def under_way(link: DecoupledSync, p: int) -> bool:
     keeps stepping and the fragment syncs every max(H, its trip) steps, as
     `sim.bandwidth.sync_interval_steps` plans. A merge that is back but waiting in the inbox
     counts as under way: a push anchored before it would be overwritten when it is applied.
-    A merge not back `rpc_timeout_s` after the push was delivered is not waited for (it may
-    never come: a push lost with a restarted syncer's unsaved state, its peers gone).
+    (A trip stops starting pulls `rpc_timeout_s` after its push's reply: `round_trip`.)
     """
-    if p in link.inbox.waiting():
+    trip = link.trips.get(p)
+    if trip is not None and not trip.done():  # (read first: `sync` fills the inbox, then ends)
         return True
-    trip, ticket = link.trips.get(p), link.sending.get(p)
-    if trip is None or trip.done():
-        return False
-    if ticket is None or ticket.settled_at is None:  # still sending (or retrying)
-        return True
-    return time.monotonic() - ticket.settled_at < link.config.decoupled.syncer.rpc_timeout_s
+    return p in link.inbox.waiting()
+
+
+def drop_covered(link: DecoupledSync, params: Any) -> None:
+    """Fragments whose last push was refused as covered count from θ now (`restart_count`)."""
+    for p in sorted(link.covered):
+        link.covered.discard(p)
+        restart_count(link, params, p)
 
 
 def restart_count(link: DecoupledSync, params: Any, p: int) -> None:
@@ -239,13 +253,31 @@ def restart_count(link: DecoupledSync, params: Any, p: int) -> None:
     link.data_since[p] = []
 
 
+def rebasable(link: DecoupledSync, p: int, inbound: Inbound) -> bool:
+    """Whether `inbound` answers p's latest push, refused as late, whose work can be rebased.
+
+    Not when the count of p changed reference since (a lease handed again started: its
+    covered steps are skipped, `origin` set): progress since the refused push's reference
+    would then hold covered steps, or its claimed batches none. Its batches are then a hole,
+    handed again.
+    """
+    late = inbound.late
+    return (
+        late is not None
+        and inbound.pushed_at == link.last_push[p]
+        and p not in link.skip
+        and (link.origin[p] is None or link.origin[p] is late.reference)
+    )
+
+
 def rebase(link: DecoupledSync, p: int, late: Late) -> list[jax.Array]:
     """A push of p refused as late, its merge applied now: its counts and data go with the next.
 
     Returns what the current values are applied against (`merge_back`'s `at_push`): the
     refused push's reference, so that θ keeps all the progress since it and the next push's Δ
     (from the current values) holds the refused steps too. A compressed push's error-feedback
-    residual of p is dropped (it counted the refused push as sent).
+    residual of p is zeroed: it counted the refused push as sent (without `keep_unsent` the
+    remainder it held from earlier pushes is lost with it; with it, θ holds that already).
     """
     steps, tokens, link.data_since[p] = rebased(late, link.data_since[p])
     link.steps_since[p] += steps
@@ -262,13 +294,21 @@ def rebased(late: Late, since: list[list[int]]) -> tuple[int, int, list[list[int
     """A late push's steps and tokens to count again, and its batches before `since`'s.
 
     Batches trained again since (handed back before the merge came) are counted once: the
-    late push's ranges overlapping them are left out, with their share of its steps and
-    tokens.
+    parts of the late push's ranges overlapping them are left out, with their share of its
+    steps and tokens.
     """
-    kept = [
-        r for r in late.data
-        if not any(r[0] == x[0] and r[1] < x[2] and x[1] < r[2] for x in since)
-    ]  # fmt: skip
+    kept: list[list[int]] = []
+    for lease, begin, end in late.data:
+        pieces = [(begin, end)]
+        for other, b, e in since:
+            if other == lease:
+                pieces = [
+                    (x, y)
+                    for lo, hi in pieces
+                    for x, y in ((lo, min(hi, b)), (max(lo, e), hi))
+                    if x < y
+                ]
+        kept += [[lease, x, y] for x, y in pieces]
     total = sum(e - b for _, b, e in late.data)
     share = sum(e - b for _, b, e in kept) / total if total else 1.0
     ranges: list[list[int]] = []

@@ -68,6 +68,9 @@ class Outgoing:
     final: bool  # the last push of the run: no merge is waited for
     pushed_at: int  # the step after which it left
     ticket: Unsent | None = None
+    # Set once the syncer has answered the push (before its merge is pulled): None until then,
+    # True when the answer leaves work to rebase (refused as late), else False.
+    answered_late: bool | None = None
     data: list[list[int]] = dataclasses.field(default_factory=list)  # leased batches it holds
     origin: list[np.ndarray] | None = None  # Δ = origin − θ instead of anchor − θ (`lease_started`)
 
@@ -80,6 +83,7 @@ class Trip:
     # is in the global model already: the lease was handed to another learner meanwhile).
     outcome: str
     version: int = -1  # the merged version pulled (-1: none, e.g. for a final push)
+    late: bool = False  # refused as late (also when answered as a duplicate of that refusal)
     values: list[np.ndarray] = dataclasses.field(default_factory=list)
     sent: int = 0
     received: int = 0
@@ -98,6 +102,7 @@ def round_trip(
     wait_s: float,
     outbox: Outbox | None = None,
     on_retry: Callable[[], None] | None = None,
+    merge_wait_s: float = float("inf"),
 ) -> Trip | None:
     """Pushes Δ = anchor − θ of `job` (or its encoding), then pulls the merge that holds it.
 
@@ -112,6 +117,9 @@ def round_trip(
       wait_s: how long one pull waits at the syncer (short: shutdown is never held up).
       outbox: where `job.ticket` is registered (folding, bounds).
       on_retry: called before each retry (counters).
+      merge_wait_s: no new pull starts this long after the push's reply (a merge that may
+        never come: a push lost with a restarted syncer's unsaved state, its peers gone); a
+        pull under way (a slow link's download) runs to its end.
 
     Returns:
       The trip, or None when the push was folded into a newer one, dropped, or `stop` was set
@@ -159,7 +167,10 @@ def round_trip(
         else "late"
     )
     trip = Trip(outcome, sent=client.last_bytes(), push_s=time.perf_counter() - t0)
+    # (A retry of a refused push is answered "duplicate" with the first answer's reason.)
+    trip.late = job.answered_late = not reply.accepted and reply.reason == "late"
     t0 = time.perf_counter()
+    give_up = time.monotonic() + merge_wait_s
     if job.final or outcome == "covered":  # (a covered push's data is in no merge of ours)
         return trip
     # An accepted push waits in the fragment's open round, which the next merge closes: wait
@@ -169,6 +180,8 @@ def round_trip(
     # That merge may be long in coming (this push folded into a newer one, or lost with a
     # restarted syncer's unsaved state): a newer push's pull then brings what is there.
     while trip.version < 0 and not stop.is_set() and still_current():
+        if time.monotonic() > give_up:
+            break
         # `have`: with a compressed downlink the syncer sends the difference from it.
         pull = functools.partial(
             client.pull, learner_id, job.fragment, want, wait_s, have=(job.base, job.anchor),

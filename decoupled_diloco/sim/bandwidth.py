@@ -43,7 +43,7 @@ The model (a closed form, not a simulation) and every assumption it makes:
   fragment in flight at the end shares the link with it (`min(P c_p / (H t), 1) * c_p`, the
   share of time the link is busy times one transfer); on a link that is behind
   (P c_p > H t) every fragment's push is in flight at the end, half sent on average
-  (`P c_p / 2`, at least one transfer); the flush waits at most `flush_timeout_s`. (Behind
+  (`min(P c_p / (H t), max(1, P / 2)) * c_p`); the flush waits at most `flush_timeout_s`. (Behind
   kernel rate limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it
   and nothing else.) The initial pull of the global parameters happens before the first step and
   is not counted.
@@ -193,7 +193,7 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
         # is under way (held pushes never queue: one round trip per fragment), half sent on
         # average. The learner gives up after `flush_timeout_s`.
         demand = p * c / (h * t)
-        in_flight = demand * c if demand <= 1.0 else max(1.0, p / 2) * c
+        in_flight = min(demand, max(1.0, p / 2)) * c
         flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + in_flight
         if args.flush_timeout_s:
             flush = min(flush, args.flush_timeout_s)

@@ -295,7 +295,8 @@ class SyncerService(pb_grpc.SyncerServicer):
             self._refuse(
                 context, _INVALID, f"header says {h.total_bytes} bytes, tensors need {expected}"
             )
-        bound = self.state.max_push_steps
+        # (Past `train_steps` only with the batches that show them: data ranges, checked below.)
+        bound = self.state.max_push_steps if _ranges(h) else self.state.config.train_steps
         error = admission.check_counters(h.steps, h.tokens, bound, self.tokens_per_step)
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")

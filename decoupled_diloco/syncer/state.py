@@ -226,7 +226,7 @@ class SyncerState:
                 )
             else:
                 previous = frag.pending.get(push.learner_id)
-                bound = self.max_push_steps
+                bound = self.max_push_steps if push.data else self.config.train_steps
                 if previous is not None and previous.steps + push.steps > bound:
                     raise PushRefused(
                         f"steps={push.steps} on top of the pending {previous.steps} pass "
