@@ -187,7 +187,12 @@ def round_trip(
             client.pull, learner_id, job.fragment, want, wait_s, have=(job.base, job.anchor),
             retries=0,
         )  # fmt: skip
-        pulled = retry(pull, stop=stop, on_retry=on_retry)
+        try:
+            pulled = retry(pull, stop=stop, on_retry=on_retry)
+        except Exception:  # noqa: BLE001 - re-raised unless the learner is closing
+            if not stop.is_set():
+                raise
+            pulled = None  # cut by the learner's close: the trip ends without a merge
         if pulled is None:
             break
         trip.version, trip.values = pulled
