@@ -262,6 +262,45 @@ def test_a_pause_between_leases_pushes_ordinary_pushes_whose_merges_become_ancho
         cluster.close()
 
 
+def _late_config(overlap):
+    """One fragment, quorum 1, leases of 32 batches, plain averaging; any stale push late."""
+    return _config(
+        inner_steps=4,
+        train_steps=64,
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 1,
+            "decoupled.overlap_steps": overlap,
+            "decoupled.data_shards": 4,
+            "decoupled.grace_safety": 0.5,
+            "decoupled.syncer.max_staleness": 0,
+            "outer.lr": 1.0,
+            "outer.momentum": 0.0,
+            "outer.nesterov": False,
+        },
+    )
+
+
+def _refused_as_late(cluster):
+    """Learner 1 merges version 1 (Δ 0.25); learner 0's push of 4 steps (Δ 0.5, lease 0),
+    anchored at version 0, is refused as late and the current values come back.
+
+    Returns learner 0, its initial parameters, and Θ_1.
+    """
+    cluster.server.state.ema_step.update(1.0)  # grace window 0.5 * 1 step * 1 s
+    (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+    assert zero.sync.client.lease(0).lease == 0 and one.sync.client.lease(1).lease == 1
+    for i in range(4):
+        one.sync.step_done(_shift(params1, -0.25), 64, data=(1, i))
+    _wait(lambda: cluster.fragment(0).version == 1, "learner 1's merge")
+    theta1 = [np.array(x) for x in cluster.fragment(0).values]
+    for i in range(4):
+        zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
+    _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
+    assert zero.sync.pushes["late"] == 1
+    return zero, params0, theta1
+
+
 def test_the_work_of_a_push_refused_as_late_goes_with_the_next_push():
     # Issue 22: behind a slow link pushes arrive late; dropping their work on data leases hands
     # their batches out again, to be trained and pushed late again. Learner 0's push, anchored
@@ -269,35 +308,10 @@ def test_the_work_of_a_push_refused_as_late_goes_with_the_next_push():
     # The current values are applied keeping all of learner 0's progress since its anchor, and
     # its next push holds the refused steps and batches too: Δ = 0.625, of which a merge of 1
     # of the 2 live learners steps half (`share`): Θ_2 = Θ_1 − 0.3125.
-    config = _config(
-        inner_steps=4,
-        train_steps=64,  # leases of 32 batches
-        **{
-            "decoupled.fragments": 1,
-            "decoupled.quorum": 1,
-            "decoupled.overlap_steps": 1,
-            "decoupled.data_shards": 4,
-            "decoupled.grace_safety": 0.5,
-            "decoupled.syncer.max_staleness": 0,
-            "outer.lr": 1.0,  # plain averaging
-            "outer.momentum": 0.0,
-            "outer.nesterov": False,
-        },
-    )
-    cluster = _Cluster(config)
+    cluster = _Cluster(_late_config(overlap=1))  # leases of 32 batches
     try:
         state = cluster.server.state
-        state.ema_step.update(1.0)  # grace window 0.5 * 1 step * 1 s
-        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
-        assert zero.sync.client.lease(0).lease == 0 and one.sync.client.lease(1).lease == 1
-        for i in range(4):
-            one.sync.step_done(_shift(params1, -0.25), 64, data=(1, i))
-        _wait(lambda: cluster.fragment(0).version == 1, "learner 1's merge")
-        theta1 = [np.array(x) for x in cluster.fragment(0).values]
-        for i in range(4):
-            zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
-        _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
-        assert zero.sync.pushes["late"] == 1
+        zero, params0, theta1 = _refused_as_late(cluster)
         zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, 4))  # τ = 1 step
         params = zero.sync.apply_arrivals(_shift(params0, -0.5))
         assert zero.sync.versions == [1] and zero.sync.rebased == 1
@@ -324,34 +338,10 @@ def test_a_pause_rebases_a_late_push_before_its_flush():
     # pushes carry that push's work; asked as flushed before, the learner could be handed its
     # own batches again and push them twice. The loop's next `apply_arrivals` returns the
     # parameters the pause made (Θ_2 once its merge is back: nothing trained since).
-    config = _config(
-        inner_steps=4,
-        train_steps=64,
-        **{
-            "decoupled.fragments": 1,
-            "decoupled.quorum": 1,
-            "decoupled.overlap_steps": 2,
-            "decoupled.data_shards": 4,
-            "decoupled.grace_safety": 0.5,
-            "decoupled.syncer.max_staleness": 0,
-            "outer.lr": 1.0,
-            "outer.momentum": 0.0,
-            "outer.nesterov": False,
-        },
-    )
-    cluster = _Cluster(config)
+    cluster = _Cluster(_late_config(overlap=2))
     try:
         state = cluster.server.state
-        state.ema_step.update(1.0)
-        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
-        assert zero.sync.client.lease(0).lease == 0 and one.sync.client.lease(1).lease == 1
-        for i in range(4):
-            one.sync.step_done(_shift(params1, -0.25), 64, data=(1, i))
-        _wait(lambda: cluster.fragment(0).version == 1, "learner 1's merge")
-        theta1 = [np.array(x) for x in cluster.fragment(0).values]
-        for i in range(4):
-            zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
-        _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
+        zero, params0, theta1 = _refused_as_late(cluster)
         assert not zero.sync.pause()  # rebased, then pushed from version 1
         assert zero.sync.rebased == 1 and zero.sync.versions == [1]
         _wait(zero.sync.pause, "the pause settled: its push answered")

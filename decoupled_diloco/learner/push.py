@@ -135,7 +135,7 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
     if trip.version >= 0:
         due = due_at(link.config, job.pushed_at)
         late = None
-        if trip.late and link.rebases:
+        if job.answered_late and link.rebases:
             # Its work is not lost: applied on top of the current values, it goes with the
             # next push (on data leases its batches would otherwise be handed out again, and
             # behind a slow link come back late again).

@@ -69,7 +69,8 @@ class Outgoing:
     pushed_at: int  # the step after which it left
     ticket: Unsent | None = None
     # Set once the syncer has answered the push (before its merge is pulled): None until then,
-    # True when the answer leaves work to rebase (refused as late), else False.
+    # True when the answer leaves work to rebase (refused as late, also when answered as a
+    # duplicate of that refusal), else False.
     answered_late: bool | None = None
     data: list[list[int]] = dataclasses.field(default_factory=list)  # leased batches it holds
     origin: list[np.ndarray] | None = None  # Δ = origin − θ instead of anchor − θ (`lease_started`)
@@ -83,7 +84,6 @@ class Trip:
     # is in the global model already: the lease was handed to another learner meanwhile).
     outcome: str
     version: int = -1  # the merged version pulled (-1: none, e.g. for a final push)
-    late: bool = False  # refused as late (also when answered as a duplicate of that refusal)
     values: list[np.ndarray] = dataclasses.field(default_factory=list)
     sent: int = 0
     received: int = 0
@@ -168,7 +168,7 @@ def round_trip(
     )
     trip = Trip(outcome, sent=client.last_bytes(), push_s=time.perf_counter() - t0)
     # (A retry of a refused push is answered "duplicate" with the first answer's reason.)
-    trip.late = job.answered_late = not reply.accepted and reply.reason == "late"
+    job.answered_late = not reply.accepted and reply.reason == "late"
     t0 = time.perf_counter()
     give_up = time.monotonic() + merge_wait_s
     if job.final or outcome == "covered":  # (a covered push's data is in no merge of ours)
