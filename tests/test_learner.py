@@ -626,3 +626,51 @@ def test_a_rebased_push_counts_batches_trained_again_since_once():
     assert rebased(late, [[1, 0, 3]]) == (10, 640, [[0, 0, 10], [1, 0, 3]])
     assert rebased(late, [[0, 10, 12]]) == (10, 640, [[0, 0, 12]])  # contiguous: one range
     assert rebased(late, [[0, 0, 10]]) == (0, 0, [[0, 0, 10]])
+
+
+def _held_bytes(root):
+    """Bytes of the distinct array buffers reachable from `root` through our own objects."""
+    seen, buffers = set(), {}
+
+    def walk(o):
+        if id(o) in seen or isinstance(o, (str, bytes, int, float, type(None))):
+            return
+        seen.add(id(o))
+        if isinstance(o, np.ndarray):
+            buffers[o.__array_interface__["data"][0]] = o.nbytes
+        elif isinstance(o, jax.Array):
+            buffers[o.unsafe_buffer_pointer()] = o.nbytes
+        elif isinstance(o, dict):
+            for v in list(o.values()):
+                walk(v)
+        elif isinstance(o, (list, tuple, set)):
+            for v in list(o):
+                walk(v)
+        elif type(o).__module__.startswith(("decoupled_diloco", "concurrent")):
+            for v in list(getattr(o, "__dict__", {}).values()):
+                walk(v)
+
+    walk(root)
+    return sum(buffers.values())
+
+
+def test_a_finished_round_trip_holds_no_copy_of_the_fragment_or_of_its_old_anchor():
+    # Issue 20: every fragment's last push was kept with θ's host copy and the anchor it was
+    # taken against, 2x the model beside θ and the anchor (a 1B learner was killed for memory).
+    config = _config(
+        inner_steps=8,
+        **{"decoupled.fragments": 2, "decoupled.quorum": 1, "decoupled.keep_overlap": True},
+    )
+    cluster = _Cluster(config)
+    try:
+        learner, params = cluster.join(0)
+        sync = learner.sync
+        model = sum(x.nbytes for x in _leaves(sync, params))
+        _steps(sync, _shift(params, -0.25), 8)  # both fragments pushed (after steps 4 and 8)
+        _wait(lambda: sync.arrived() == {0: 1, 1: 1}, "both merges")
+        params = sync.apply_arrivals(_shift(params, 0.25))
+        sync.step_done(params, 64)
+        # θ (the last step's parameters) and the anchor: nothing else stays.
+        assert _held_bytes(sync) <= 2 * model + 4096, _held_bytes(sync) / model
+    finally:
+        cluster.close()

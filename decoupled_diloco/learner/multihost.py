@@ -194,6 +194,7 @@ class MultihostSync(DecoupledSync):
         elif job.ticket is not None:
             # Not ours to send: settle the push's outbox entry at once, so nothing piles up.
             self.outbox.deliver(job.ticket, lambda: None, self.stop)
+        job.release()  # (kept in `jobs`: see `push.sync`)
 
     def _under_way(self, p: int) -> bool:
         # As the leader saw it at the last step boundary (`_take_ready`): every process of

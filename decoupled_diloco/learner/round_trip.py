@@ -61,8 +61,9 @@ class Outgoing:
     fragment: int
     round: int
     base: int  # the version Δ is anchored at
-    anchor: list[np.ndarray]
-    local: list[np.ndarray] | Encoded  # θ on the host, or Δ already encoded on the mesh
+    # (Both None once the trip is over: `release`.)
+    anchor: list[np.ndarray] | None
+    local: list[np.ndarray] | Encoded | None  # θ on the host, or Δ already encoded on the mesh
     steps: int
     tokens: int
     final: bool  # the last push of the run: no merge is waited for
@@ -74,6 +75,10 @@ class Outgoing:
     answered_late: bool | None = None
     data: list[list[int]] = dataclasses.field(default_factory=list)  # leased batches it holds
     origin: list[np.ndarray] | None = None  # Δ = origin − θ instead of anchor − θ (`lease_started`)
+
+    def release(self) -> None:
+        """Lets go of the arrays once the trip is over (the job itself may be kept: `push.sync`)."""
+        self.local = self.anchor = self.origin = None
 
 
 @dataclasses.dataclass
