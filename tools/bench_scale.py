@@ -4,6 +4,7 @@
   python -m tools.bench_scale --section=syncer --sizes=125m,350m --learners=2,4,8 --rounds=3
   python -m tools.bench_scale --section=memory --sizes=125m,350m,1b   # compiled memory, 8 devices
   python -m tools.bench_scale --section=learner --sizes=125m          # a learner's stall and RSS
+  python -m tools.bench_scale --section=learner --sizes=1b --step_s=1.5
   python -m tools.bench_scale --section=precision --steps=200         # bf16 vs float32, tiny_lm
 
 Per (size, M): a syncer process started as an operator would (`python -m
@@ -524,6 +525,9 @@ def main() -> None:
             ("syncer", [f"--sizes={args.sizes}", f"--learners={args.learners}"]),
             ("memory", ["--sizes=125m,350m,1b"]),
             ("learner", ["--sizes=125m", "--steps=200", "--step_s=0.5"]),
+            # (1B: a synthetic step rewrites 4 GB, ~0.5-1 s on 2 cores; the learner peaks at
+            # ~11 GB beside a ~10 GB syncer, measured.)
+            ("learner", ["--sizes=1b", "--steps=200", "--step_s=1.5"]),
             ("precision", ["--steps=200"]),
         ):
             command = [sys.executable, "-m", "tools.bench_scale", f"--section={section}", *extra]
