@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from decoupled_diloco.comm import auth
 from decoupled_diloco.config import max_push_steps
+from decoupled_diloco.syncer.guard import Guard
 from decoupled_diloco.syncer.server import SyncerServer
 from decoupled_diloco.tasks import make_task
 from tests.test_syncer import _config as syncer_config
@@ -439,6 +440,30 @@ def test_a_pull_behind_flow_control_is_paced_by_its_bytes_not_cut_as_idle(hp):
     finally:
         channel.close()
         s.stop(0)
+
+
+def test_one_learners_pulls_at_once_share_its_links_minimum_pace():
+    """Issue 22: behind a slow link a learner's P merges come down together, each at 1/P of
+    its link; each must average `min_pull_bytes_per_s` / k with k of them under way."""
+    now = [100.0]
+    guard = Guard(
+        slots=8, per_caller=4, max_bytes=1, idle_s=1.0, min_pull_rate=1000.0, clock=lambda: now[0]
+    )
+    try:
+        with (
+            guard.call(1, None, "pull") as a,
+            guard.call(1, None, "pull") as b,
+            guard.call(2, None, "pull") as c,
+        ):
+            a.budget(4000)
+            assert a.until == 100.0 + 1.0 + 4.0  # alone: its bytes at 1000 B/s
+            now[0] = 102.0
+            b.budget(4000)  # two of learner 1's replies share its link: 500 B/s each
+            assert b.until == 102.0 + 1.0 + 8.0 and a.until == b.until
+            c.budget(4000)  # another learner's link: its own pace
+            assert c.until == 102.0 + 1.0 + 4.0
+    finally:
+        guard.close()
 
 
 def _code(future):

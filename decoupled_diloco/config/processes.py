@@ -59,8 +59,9 @@ class SyncerConfig:
       stream_idle_s: a push stream that moves nothing this long is cut (a pull: see
         `min_pull_bytes_per_s`).
       min_pull_bytes_per_s: a pull's reply is cut once it has taken `stream_idle_s` plus its
-        bytes at this rate (the syncer cannot see a reader's pace chunk by chunk behind
-        flow control and socket buffers; `syncer.guard`).
+        bytes at this rate, shared by the learner's replies under way at once (the syncer
+        cannot see a reader's pace chunk by chunk behind flow control and socket buffers;
+        `syncer.guard`).
       durable: the local launcher gives every syncer shard a checkpoint directory (write-ahead
         log and snapshots), so that a syncer killed in any way restarts with nothing lost.
     """

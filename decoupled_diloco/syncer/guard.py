@@ -16,7 +16,10 @@ control calls (Register, Heartbeat, Status) time out behind them. `Guard` keeps:
 - **idle cuts**: a push that sends no chunk for `idle_s` seconds is cancelled; a pull's own
   bounded wait for a merge is not idleness;
 - **pull budgets**: a pull's reply may take `idle_s` plus its bytes at `min_pull_rate` bytes
-  per second, then it is cancelled. A reply chunk that gRPC's flow control holds back does
+  per second, then it is cancelled; the rate is the caller's link's, shared by its replies under
+  way at once (k replies of one learner: each may average `min_pull_rate` / k, so a learner's
+  P fragments' merges coming down one slow link together are not cut, as they were at 4 KB/s
+  each against 8 KB/s). A reply chunk that gRPC's flow control holds back does
   not count as idle: between the HTTP/2 window and the kernel's socket buffers, a reader on a
   slow link (which takes every byte as it arrives) and a reader that takes nothing look the
   same to the server for many seconds at a time (a send returns only once a socket buffer
@@ -66,13 +69,16 @@ def data_slots(config: ExperimentConfig) -> int:
 class Activity:
     """One data call's entry in the guard: when it last moved, and what it reserved."""
 
-    def __init__(self, guard: Guard, context: grpc.ServicerContext, kind: str = ""):
-        self.guard, self.context, self.kind = guard, context, kind
+    def __init__(
+        self, guard: Guard, context: grpc.ServicerContext, kind: str = "", caller: int = 0
+    ):
+        self.guard, self.context, self.kind, self.caller = guard, context, kind, caller
         self.started = guard.clock()
         self.last = guard.clock()
         self.reserved = 0
         self.idle_cut = False
         self.until: float | None = None  # cut after this, held or not (a pull's budget)
+        self.nbytes = 0  # the reply's bytes (`budget`)
 
     def touch(self) -> None:
         """The stream moved (a chunk arrived or left)."""
@@ -83,9 +89,19 @@ class Activity:
         self.last = None
 
     def budget(self, nbytes: int) -> None:
-        """Bounds a reply of `nbytes` from now to `idle_s` plus its bytes at the minimum rate."""
+        """Bounds a reply of `nbytes` from now to `idle_s` plus its bytes at the minimum rate.
+
+        The rate is shared by the caller's replies under way: with k of them (this one
+        included), each one's bound is its bytes at `min_pull_rate` / k from now, and the
+        others' bounds are extended to that too (never shortened).
+        """
         g = self.guard
-        self.until = g.clock() + g.idle_s + nbytes / g.min_pull_rate
+        with g.lock:
+            now = g.clock()
+            self.nbytes, self.until = nbytes, now  # (counted among the replies under way)
+            sharing = [a for a in g.active if a.caller == self.caller and a.until is not None]
+            for a in sharing:
+                a.until = max(a.until, now + g.idle_s + a.nbytes * len(sharing) / g.min_pull_rate)
 
     def reserve(self, nbytes: int) -> None:
         """Reserves `nbytes` of push buffer, or aborts RESOURCE_EXHAUSTED at once.
@@ -173,7 +189,7 @@ class Guard:
     @contextlib.contextmanager
     def call(self, caller: int, context: grpc.ServicerContext, kind: str) -> Iterator[Activity]:
         """Admits one data call of `caller` for the duration of the block, or aborts."""
-        activity = Activity(self, context, kind)
+        activity = Activity(self, context, kind, caller)
         with self.lock:
             if len(self.active) >= self.slots:
                 message = (
