@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from decoupled_diloco.comm import auth
+from decoupled_diloco.comm.auth import OPERATOR
 from decoupled_diloco.config import max_push_steps
 from decoupled_diloco.syncer.guard import Guard
 from decoupled_diloco.syncer.server import SyncerServer
@@ -459,9 +460,14 @@ def test_one_learners_pulls_at_once_share_its_links_minimum_pace():
             assert a.until == 100.0 + 1.0 + 4.0  # alone: its bytes at 1000 B/s
             now[0] = 102.0
             b.budget(4000)  # two of learner 1's replies share its link: 500 B/s each
-            assert b.until == 102.0 + 1.0 + 8.0 and a.until == b.until
+            assert b.until == 102.0 + 1.0 + 8.0
+            assert a.until == 100.0 + 1.0 + 8.0  # extended, from its own start
             c.budget(4000)  # another learner's link: its own pace
             assert c.until == 102.0 + 1.0 + 4.0
+        with guard.call(OPERATOR, None, "pull") as d, guard.call(OPERATOR, None, "pull") as e:
+            d.budget(4000)
+            e.budget(4000)  # the run token's calls (evaluator, tools) are not one link
+            assert d.until == e.until == 102.0 + 1.0 + 4.0
     finally:
         guard.close()
 

@@ -16,7 +16,7 @@ control calls (Register, Heartbeat, Status) time out behind them. `Guard` keeps:
 - **idle cuts**: a push that sends no chunk for `idle_s` seconds is cancelled; a pull's own
   bounded wait for a merge is not idleness;
 - **pull budgets**: a pull's reply may take `idle_s` plus its bytes at `min_pull_rate` bytes
-  per second, then it is cancelled; the rate is the caller's link's, shared by its replies under
+  per second, then it is cancelled; the rate is a learner's link's, shared by its replies under
   way at once (k replies of one learner: each may average `min_pull_rate` / k, so a learner's
   P fragments' merges coming down one slow link together are not cut, as they were at 4 KB/s
   each against 8 KB/s). A reply chunk that gRPC's flow control holds back does
@@ -78,7 +78,7 @@ class Activity:
         self.reserved = 0
         self.idle_cut = False
         self.until: float | None = None  # cut after this, held or not (a pull's budget)
-        self.nbytes = 0  # the reply's bytes (`budget`)
+        self.nbytes, self.start = 0, 0.0  # the reply's bytes and when it began (`budget`)
 
     def touch(self) -> None:
         """The stream moved (a chunk arrived or left)."""
@@ -91,17 +91,22 @@ class Activity:
     def budget(self, nbytes: int) -> None:
         """Bounds a reply of `nbytes` from now to `idle_s` plus its bytes at the minimum rate.
 
-        The rate is shared by the caller's replies under way: with k of them (this one
-        included), each one's bound is its bytes at `min_pull_rate` / k from now, and the
-        others' bounds are extended to that too (never shortened).
+        A learner's rate is shared by its replies under way: with k of them (this one
+        included), each one's bound is `idle_s` plus its bytes at `min_pull_rate` / k from
+        its own start, and the others' bounds are extended to that (never shortened; at most
+        `per_caller` times the bound alone). The run token's calls (evaluator, tools) are not
+        one link: each has the rate alone.
         """
         g = self.guard
         with g.lock:
             now = g.clock()
-            self.nbytes, self.until = nbytes, now  # (counted among the replies under way)
-            sharing = [a for a in g.active if a.caller == self.caller and a.until is not None]
+            self.nbytes, self.start, self.until = nbytes, now, now  # (one of those under way)
+            sharing = [self]
+            if self.caller != OPERATOR:
+                sharing = [a for a in g.active if a.caller == self.caller and a.until is not None]
             for a in sharing:
-                a.until = max(a.until, now + g.idle_s + a.nbytes * len(sharing) / g.min_pull_rate)
+                bound = a.start + g.idle_s + a.nbytes * len(sharing) / g.min_pull_rate
+                a.until = max(a.until, bound)
 
     def reserve(self, nbytes: int) -> None:
         """Reserves `nbytes` of push buffer, or aborts RESOURCE_EXHAUSTED at once.
@@ -227,15 +232,15 @@ class Guard:
         period = max(min(self.idle_s / 4, 1.0), 0.01)
         while not self._stop.wait(period):
             now = self.clock()
-            with self.lock:
-                idle = [
-                    a
-                    for a in self.active
-                    if (a.last is not None and now - a.last > self.idle_s)
-                    or (a.until is not None and now > a.until)
-                ]
-            for activity in idle:
-                over = activity.until is not None and now > activity.until
+            with self.lock:  # (`budget` reads and extends `until` under the same lock)
+                cut = []
+                for a in self.active:
+                    over = a.until is not None and now > a.until
+                    if over or (a.last is not None and now - a.last > self.idle_s):
+                        a.idle_cut, a.last, a.until = True, None, None  # cut once
+                        self.idle_cuts += 1
+                        cut.append((a, over))
+            for activity, over in cut:
                 logging.warning(
                     "[syncer] %s cut: %s",
                     activity.kind or "call",
@@ -244,10 +249,6 @@ class Guard:
                     if over
                     else f"nothing moved for {self.idle_s:g} s (decoupled.syncer.stream_idle_s)",
                 )
-                activity.idle_cut = True
-                activity.hold()  # cut once
-                activity.until = None
-                self.idle_cuts += 1
                 activity.context.cancel()
 
     def stats(self) -> dict[str, int]:
