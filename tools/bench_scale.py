@@ -339,7 +339,9 @@ def compiled_memory(sizes: list[str], devices: int = 8) -> list[str]:
     return lines
 
 
-def learner_child(size: str, address: str, steps: int, step_s: float) -> None:
+def learner_child(
+    size: str, address: str, steps: int, step_s: float, keep_overlap: bool = True
+) -> None:
     """A learner with synthetic steps (`DecoupledSync` in a plain loop); prints one JSON line.
 
     Each step touches every parameter once (a jitted elementwise update, as a real step
@@ -355,7 +357,10 @@ def learner_child(size: str, address: str, steps: int, step_s: float) -> None:
     from decoupled_diloco import tasks
 
     config = config_for(size, 1)
-    config = dd.replace(config, **{"decoupled.quorum": 1, "train_steps": steps})
+    config = dd.replace(
+        config,
+        **{"decoupled.quorum": 1, "train_steps": steps, "decoupled.keep_overlap": keep_overlap},
+    )
     task = tasks.make_task(config)
     _, process = proc_memory(os.getpid())  # the process before the model (JAX, gRPC, Python)
     params = task.init_params(config.seed)
@@ -398,8 +403,14 @@ def learner_child(size: str, address: str, steps: int, step_s: float) -> None:
     )  # fmt: skip
 
 
-def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
-    """Per size: a syncer process and one synthetic learner process; the learner's numbers."""
+def learner_cells(
+    sizes: list[str], steps: int, step_s: float, keep_overlap: bool = True
+) -> list[str]:
+    """Per size: a syncer process and one synthetic learner process; the learner's numbers.
+
+    `keep_overlap`: the learners' `decoupled.keep_overlap` (a copy of each fragment at its push,
+    host memory on CPU, kept until its merge is applied).
+    """
     import json
 
     from decoupled_diloco.local.procs import reap
@@ -428,6 +439,7 @@ def learner_cells(sizes: list[str], steps: int, step_s: float) -> list[str]:
                     f"--address=127.0.0.1:{port}",
                     f"--steps={steps}",
                     f"--step_s={step_s}",
+                    f"--keep_overlap={keep_overlap}",
                 ],
                 cwd=ROOT,
                 env=env,
@@ -515,6 +527,12 @@ def main() -> None:
     parser.add_argument("--address", default="", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--step_s", type=float, default=0.5)
+    parser.add_argument(
+        "--keep_overlap",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        default=True,
+        help="learner section: the learner's decoupled.keep_overlap (True|False)",
+    )
     args = parser.parse_args()
     # A stopped benchmark still removes its syncer and its temporary directories (`finally`).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -545,13 +563,14 @@ def main() -> None:
         )
         return
     if args.section == "learner_child":
-        learner_child(args.sizes, args.address, args.steps, args.step_s)
+        learner_child(args.sizes, args.address, args.steps, args.step_s, args.keep_overlap)
         return
     if args.section == "learner":
-        lines = learner_cells(args.sizes.split(","), args.steps, args.step_s)
+        lines = learner_cells(args.sizes.split(","), args.steps, args.step_s, args.keep_overlap)
         command = (
             f"python -m tools.bench_scale --section=learner --sizes={args.sizes} "
             f"--steps={args.steps} --step_s={args.step_s}"
+            + ("" if args.keep_overlap else " --keep_overlap=False")
         )
         _write(
             args.out,
