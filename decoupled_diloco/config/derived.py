@@ -107,12 +107,12 @@ def data_leases(config: ExperimentConfig) -> bool:
     return config.decoupled.data_shards > 0 and config.decoupled.syncer.shards == 1
 
 
-def max_push_steps(config: ExperimentConfig) -> int:
+def max_push_steps(config: ExperimentConfig, names_data: bool = True) -> int:
     """Inner steps one push (a learner's pending pushes of a fragment together) may hold.
 
-    `train_steps`; on data leases, for a push that names its batches, the whole budget's steps,
-    `budget_units` (a step trains at least one unit): a learner may train other learners'
-    leases, and a fragment held while its round trip is under way (a slow link) goes with
-    every step since its last push.
+    `train_steps`; on data leases, for a push that names its batches (`names_data`), the whole
+    budget's steps, `budget_units` (a step trains at least one unit): a learner may train
+    other learners' leases, and a fragment held while its round trip is under way (a slow
+    link) goes with every step since its last push.
     """
-    return budget_units(config) if data_leases(config) else config.train_steps
+    return budget_units(config) if names_data and data_leases(config) else config.train_steps

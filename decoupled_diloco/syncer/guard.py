@@ -78,7 +78,7 @@ class Activity:
         self.reserved = 0
         self.idle_cut = False
         self.until: float | None = None  # cut after this, held or not (a pull's budget)
-        self.nbytes, self.start = 0, 0.0  # the reply's bytes and when it began (`budget`)
+        self.nbytes, self.reply_t0 = 0, 0.0  # the reply's bytes and when it began (`budget`)
 
     def touch(self) -> None:
         """The stream moved (a chunk arrived or left)."""
@@ -100,12 +100,12 @@ class Activity:
         g = self.guard
         with g.lock:
             now = g.clock()
-            self.nbytes, self.start, self.until = nbytes, now, now  # (one of those under way)
+            self.nbytes, self.reply_t0, self.until = nbytes, now, now  # (one of those under way)
             sharing = [self]
             if self.caller != OPERATOR:
                 sharing = [a for a in g.active if a.caller == self.caller and a.until is not None]
             for a in sharing:
-                bound = a.start + g.idle_s + a.nbytes * len(sharing) / g.min_pull_rate
+                bound = a.reply_t0 + g.idle_s + a.nbytes * len(sharing) / g.min_pull_rate
                 a.until = max(a.until, bound)
 
     def reserve(self, nbytes: int) -> None:

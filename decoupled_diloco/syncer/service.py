@@ -27,7 +27,7 @@ from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm import syncer_pb2 as pb
 from decoupled_diloco.comm import syncer_pb2_grpc as pb_grpc
 from decoupled_diloco.comm.retry import RETRY_TRAILER
-from decoupled_diloco.config import max_learners
+from decoupled_diloco.config import max_learners, max_push_steps
 from decoupled_diloco.core import compression
 from decoupled_diloco.syncer import admission, elastic, streams
 from decoupled_diloco.syncer.downlink import Downlink
@@ -296,7 +296,7 @@ class SyncerService(pb_grpc.SyncerServicer):
                 context, _INVALID, f"header says {h.total_bytes} bytes, tensors need {expected}"
             )
         # (Past `train_steps` only with the batches that show them: data ranges, checked below.)
-        bound = self.state.max_push_steps if _ranges(h) else self.state.config.train_steps
+        bound = max_push_steps(self.state.config, names_data=bool(h.data))
         error = admission.check_counters(h.steps, h.tokens, bound, self.tokens_per_step)
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")

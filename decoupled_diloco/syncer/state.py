@@ -104,7 +104,6 @@ class SyncerState:
         merge_hook: Callable[[], None] | None = None,
     ):
         self.config, self.clock, self.merge_hook = config, clock, merge_hook
-        self.max_push_steps = max_push_steps(config)  # bounds a push's (pending) steps
         self.owned = set(range(len(fragments)) if owned is None else owned)
         self.started = clock()  # For the status's uptime (and merges per minute).
         d = config.decoupled
@@ -226,7 +225,7 @@ class SyncerState:
                 )
             else:
                 previous = frag.pending.get(push.learner_id)
-                bound = self.max_push_steps if push.data else self.config.train_steps
+                bound = max_push_steps(self.config, names_data=bool(push.data))
                 if previous is not None and previous.steps + push.steps > bound:
                     raise PushRefused(
                         f"steps={push.steps} on top of the pending {previous.steps} pass "
