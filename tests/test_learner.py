@@ -151,12 +151,13 @@ def test_alpha_mixes_local_and_global_values():
         _steps(sync, theta, 2)  # fragment 0 due after step 2: pushed
         _wait(lambda: sync.arrived() == {0: 1}, "the merge")
         local = _shift(params, 1.0)  # the live values when the merge is applied
+        local_values = [np.array(x) for x in _leaves(sync, local)]  # (apply_arrivals donates)
         mixed = _leaves(sync, sync.apply_arrivals(local))
         merged = cluster.fragment(0).values
         first = sync.cut[0][0].index
         assert not np.allclose(merged[0], _leaves(sync, params)[first])  # the merge moved it
         for spec, value in zip(sync.cut[0], merged, strict=True):
-            want = alpha * _leaves(sync, local)[spec.index] + (1 - alpha) * value
+            want = alpha * local_values[spec.index] + (1 - alpha) * value
             np.testing.assert_allclose(mixed[spec.index], want, rtol=1e-6, atol=1e-7)
         assert sync.versions == [1]
     finally:
@@ -443,13 +444,19 @@ def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
         _steps(sync, at_push, 4)  # fragment 0 is due after step 4 (offset 8 / 2)
         _wait(lambda: sync.arrived() == {0: 1}, "the merge")
         now = _shift(params, 0.25)  # the overlap steps' progress: +0.5 since the push
+        now_values = [np.array(x) for x in _leaves(sync, now)]  # (apply_arrivals donates)
         got = _leaves(sync, sync.apply_arrivals(now))
         merged = cluster.fragment(0).values
         for spec, value in zip(sync.cut[0], merged, strict=True):  # Θ + (θ_now − θ_push)
             np.testing.assert_allclose(got[spec.index], value + 0.5, rtol=1e-6, atol=1e-6)
         for spec in sync.cut[1]:  # not merged: the live values
-            np.testing.assert_array_equal(got[spec.index], _leaves(sync, now)[spec.index])
+            np.testing.assert_array_equal(got[spec.index], now_values[spec.index])
         assert sync.versions == [1, 0]
+        # The merge reused the merged fragment's buffers (no second copy of it was made); the
+        # other fragment's arrays are the caller's still.
+        old = sync.treedef.flatten_up_to(now)
+        assert all(old[spec.index].is_deleted() for spec in sync.cut[0])
+        assert not any(old[spec.index].is_deleted() for spec in sync.cut[1])
     finally:
         cluster.close()
 

@@ -263,7 +263,11 @@ class DecoupledSync:
     # The step loop's calls ---------------------------------------------------------------------
 
     def apply_arrivals(self, params: Params) -> Params:
-        """Merges every fragment whose overlap has passed into `params` (see `merge_back`)."""
+        """Merges every fragment whose overlap has passed into `params` (see `merge_back`).
+
+        Train on what it returns, as on a donated step's result: the merged fragments' arrays
+        in `params` give their buffers to the new values and are deleted.
+        """
         if self._initial is not None:  # the first call inside `with` (the joined global
             params, self._initial = self._initial, None  # values), or after a pause's merges
         t0 = time.perf_counter()
@@ -271,10 +275,15 @@ class DecoupledSync:
             push.wait_for_due_merges(self)
         ready = self._take_ready()
         self.blocked_s += time.perf_counter() - t0
-        return self._merge(params, ready)
+        return self._merge(params, ready, donate=True)
 
-    def _merge(self, params: Params, ready: dict[int, Inbound]) -> Params:
-        """`params` with the `ready` merged fragments merged back (`apply_arrivals`)."""
+    def _merge(self, params: Params, ready: dict[int, Inbound], donate: bool = False) -> Params:
+        """`params` with the `ready` merged fragments merged back (`apply_arrivals`).
+
+        `donate`: the merged fragments' buffers in `params` are reused (`apply_arrivals`, whose
+        caller trains on what it returns); else `params` stays as it was (a pause, whose
+        parameters the step loop still holds).
+        """
         if not ready:
             return params
         leaves = self.treedef.flatten_up_to(params)
@@ -307,6 +316,7 @@ class DecoupledSync:
                 at_push if latest else None,
                 residual if unsent else None,
                 d.alpha,
+                donate,
             )
             self.encoder.in_params[p] = unsent
             self.anchor[p], self.versions[p] = inbound.values, inbound.version
@@ -320,7 +330,10 @@ class DecoupledSync:
                 )
             )
         self.sync_host_s += time.perf_counter() - t0
-        return jax.tree.unflatten(self.treedef, leaves)
+        params = jax.tree.unflatten(self.treedef, leaves)
+        if donate and self._last is not None:  # (its merged fragments' buffers were donated)
+            self._last = params
+        return params
 
     def step_done(
         self,

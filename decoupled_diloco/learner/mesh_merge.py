@@ -6,7 +6,6 @@ the learner joins so that no fragment's first merge stalls the step loop for a c
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -16,7 +15,6 @@ from decoupled_diloco.core import fragments as F
 from decoupled_diloco.core import outer
 
 
-@functools.partial(jax.jit, static_argnames=("alpha",))
 def merge_fragment(
     merged: list[jax.Array],
     local: list[jax.Array],
@@ -24,11 +22,18 @@ def merge_fragment(
     unsent: list[jax.Array | None],
     alpha: float,
 ) -> list[jax.Array]:
-    """`core.outer.merge_back` over one fragment's tensors, compiled once per fragment."""
+    """`core.outer.merge_back` over one fragment's tensors."""
     return [
         outer.merge_back(m, x, at_push=a, unsent=u, alpha=alpha)
         for m, x, a, u in zip(merged, local, at_push, unsent, strict=True)
     ]
+
+
+# Compiled once per fragment. The step loop's merges donate `local`: the new values take its
+# buffers, so no second copy of the fragment is made (a synthetic 350M learner on CPU peaked
+# at 2.79x the model with it, 3.01x without).
+_merge = jax.jit(merge_fragment, static_argnames=("alpha",))
+_merge_donated = jax.jit(merge_fragment, static_argnames=("alpha",), donate_argnames=("local",))
 
 
 @jax.jit
@@ -44,6 +49,7 @@ def merge_into(
     at_push: list[jax.Array] | None,
     residual: list[jax.Array] | None,
     alpha: float,
+    donate: bool = False,
 ) -> None:
     """Merges an arrived fragment into the parameters' `leaves`, in place (one compiled call).
 
@@ -55,9 +61,11 @@ def merge_into(
       residual: all the error-feedback residual's leaves when it moves into the parameters
         now (`keep_unsent`), or None.
       alpha: the merge-back's mixing weight.
+      donate: the fragment's old arrays in `leaves` give their buffers to the new ones (they
+        are deleted: no one may use them after).
     """
     none = [None] * len(frag)
-    new = merge_fragment(
+    new = (_merge_donated if donate else _merge)(
         merged,
         F.gather(leaves, frag),
         none if at_push is None else at_push,
@@ -86,8 +94,18 @@ def warm_up(
     """
     for frag in cut:
         local = F.gather(leaves, frag)
-        scratch = list(leaves)  # the same call `merge_into` makes at a merge, results dropped
+        # The same call `merge_into` makes at a merge, on copies (it donates the fragment's
+        # parameters); the results are dropped.
+        scratch = list(leaves)
+        for spec, copy in zip(frag, device_copy(local), strict=True):
+            scratch[spec.index] = copy
         merge_into(
-            scratch, frag, local, device_copy(local) if keep_overlap else None, residual, alpha
+            scratch,
+            frag,
+            local,
+            device_copy(local) if keep_overlap else None,
+            residual,
+            alpha,
+            donate=True,
         )
         jax.block_until_ready(F.gather(scratch, frag))

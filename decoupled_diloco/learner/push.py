@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from decoupled_diloco import runtime
 from decoupled_diloco.config import ExperimentConfig, overlap_steps
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.learner import mesh_merge
@@ -97,6 +98,10 @@ def sync(link: DecoupledSync, job: Outgoing) -> None:
         _trip(link, job)
     finally:
         job.release()
+        # What the trip's buffers freed goes back to the OS now, not at some later trip: a
+        # synthetic 350M learner (4 fragments of 365 MB) otherwise kept ~0.4 GB more after each
+        # trip in glibc's arenas (1.3 GB after four; peak 3.42x the model, 3.01x trimmed here).
+        runtime.trim_memory()
 
 
 def _trip(link: DecoupledSync, job: Outgoing) -> None:

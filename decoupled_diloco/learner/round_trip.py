@@ -61,7 +61,7 @@ class Outgoing:
     fragment: int
     round: int
     base: int  # the version Δ is anchored at
-    # (Both None once the trip is over: `release`.)
+    # (`local` None once the push is answered, both once the trip is over: `release`.)
     anchor: list[np.ndarray] | None
     local: list[np.ndarray] | Encoded | None  # θ on the host, or Δ already encoded on the mesh
     steps: int
@@ -162,6 +162,11 @@ def round_trip(
         reply = retry(send, stop=stop, on_retry=on_retry)
     if reply is None:
         return None
+    # Answered: θ's host copy goes now, not when the merge is back (on CPU without
+    # `keep_overlap` it is a view that keeps the old parameters' buffers alive: with the
+    # merged values as they arrive, two fragments in flight instead of one).
+    del send, arrays
+    job.local = None
     outcome = (
         "duplicate"
         if reply.duplicate
