@@ -131,8 +131,8 @@ def test_two_learners_on_different_meshes_exchange_fragments(corpus):
         server.stop(0)
 
 
-def test_alpha_mixes_local_and_global_values():
-    alpha = 0.25
+@pytest.mark.parametrize("alpha", [0.25, 0.0])
+def test_alpha_mixes_local_and_global_values(alpha):
     config = _config(
         inner_steps=2,
         **{
@@ -160,6 +160,9 @@ def test_alpha_mixes_local_and_global_values():
             want = alpha * local_values[spec.index] + (1 - alpha) * value
             np.testing.assert_allclose(mixed[spec.index], want, rtol=1e-6, atol=1e-7)
         assert sync.versions == [1]
+        # The new values took the old ones' buffers, also where they are the merged values
+        # alone (α = 0, no overlap): no second copy of the fragment was made.
+        assert all(x.is_deleted() for x in sync.treedef.flatten_up_to(local))
     finally:
         cluster.close()
 
