@@ -179,3 +179,27 @@ def test_a_decoupled_link_that_is_behind_flushes_the_pushes_in_flight():
 def test_the_planners_flush_bound_is_the_configs():
     syncer = config_lib.SyncerConfig()
     assert LinkPlan().flush_timeout_s == 2 * syncer.rpc_timeout_s
+
+
+def test_the_wan_benchmark_plans_a_leased_end_without_the_flush_bound():
+    """Its runs train on data leases: a learner's end is the pause at its last lease, which
+    waits for every push to be answered (measured: 233-256 s at the scaled 0.5 Gbit/s, P = 1,
+    against the final flush's 120 s bound)."""
+    from decoupled_diloco.local import runs
+    from tools import bench_wan
+
+    assert config_lib.data_leases(runs.resolve(bench_wan.CONFIG))
+    setting = next(s for s in bench_wan.SETTINGS if s.name == "decoupled none P=1")
+    w = pb.Workload(params=0.56e6, inner_steps=50, step_time_s=0.346)
+    plan = setting._decoupled_plan(w, {"params": w.params, "step_time_s": w.step_time_s})
+    assert plan.flush_timeout_s == 0
+    # Behind the link the end is longer than the bound: the plan counts all of it.
+    assert (
+        setting.planned(w, 4, 0.134e-3, 200)
+        < 0.25
+        < utilisation(
+            dataclasses.replace(plan, run_steps=200, num_learners=4, flush_timeout_s=120.0),
+            "decoupled",
+            0.134e-3,
+        )
+    )

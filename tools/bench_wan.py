@@ -55,6 +55,7 @@ import subprocess
 import sys
 import time
 
+from decoupled_diloco import config as c
 from decoupled_diloco.local import runs, wan
 from decoupled_diloco.sim import bandwidth
 
@@ -131,9 +132,15 @@ class Setting:
 
     def _decoupled_plan(self, w: bandwidth.Workload, common: dict) -> bandwidth.LinkPlan:
         bits = _BITS[self.scheme]
+        run = runs.resolve(CONFIG)
+        # On data leases a learner's end is the pause at its last lease, which waits until
+        # every push is answered, with no bound; without leases the final flush gives up
+        # after 2 x rpc_timeout_s (`learner.push.flush`).
+        bound = 0.0 if c.data_leases(run) else 2 * run.decoupled.syncer.rpc_timeout_s
         return bandwidth.LinkPlan(
             **common, inner_steps=w.inner_steps, fragments=self.fragments,
             overlap_steps=w.inner_steps // 5, bits=bits, down_bits=bits, topology="syncer",
+            flush_timeout_s=bound,
         )  # fmt: skip
 
 

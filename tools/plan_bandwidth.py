@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
         "--run_steps", type=int, default=0, help="T: count the final flush of a T-step run"
     )
     p.add_argument(
-        "--flush_timeout_s", type=float, default=120.0, help="decoupled: flush bound (0: none)"
+        "--flush_timeout_s",
+        type=float,
+        default=120.0,
+        help="decoupled: flush bound (0: none, as on data leases)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--paper_table", action="store_true", help="compare with Streaming DiLoCo")

@@ -43,7 +43,9 @@ The model (a closed form, not a simulation) and every assumption it makes:
   fragment in flight at the end shares the link with it (`min(P c_p / (H t), 1) * c_p`, the
   share of time the link is busy times one transfer); on a link that is behind
   (P c_p > H t) every fragment's push is in flight at the end, half sent on average
-  (`min(P c_p / (H t), max(1, P / 2)) * c_p`); the flush waits at most `flush_timeout_s`. (Behind
+  (`min(P c_p / (H t), max(1, P / 2)) * c_p`); the flush waits at most `flush_timeout_s` (on data
+  leases the end is the pause at the learner's last lease, which waits for every push to be
+  answered, with no bound: plan it with `flush_timeout_s` = 0). (Behind
   kernel rate limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it
   and nothing else.) The initial pull of the global parameters happens before the first step and
   is not counted.
@@ -99,7 +101,8 @@ class LinkPlan:
       targets: utilisation targets.
       run_steps: T, the run's length, whose final flush then counts (0: a long run).
       flush_timeout_s: decoupled: the longest a learner's final flush waits (2 ×
-        `decoupled.syncer.rpc_timeout_s`); 0: no bound.
+        `decoupled.syncer.rpc_timeout_s`); 0: no bound, as on data leases (the end is then the
+        pause at the last lease, which waits until every push is answered).
     """
 
     params: float = 1e9
