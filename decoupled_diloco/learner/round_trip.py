@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from decoupled_diloco import runtime
 from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.retry import retry
 from decoupled_diloco.core import outer
@@ -164,9 +165,12 @@ def round_trip(
         return None
     # Answered: θ's host copy goes now, not when the merge is back (on CPU without
     # `keep_overlap` it is a view that keeps the old parameters' buffers alive: with the
-    # merged values as they arrive, two fragments in flight instead of one).
+    # merged values as they arrive, two fragments in flight instead of one), and what it
+    # held goes back to the OS (glibc kept the freed buffers in its arenas: a synthetic 350M
+    # learner without `keep_overlap` peaked at 2.78x the model without this trim, 2.53x with).
     del send, arrays
     job.local = None
+    runtime.trim_memory()
     outcome = (
         "duplicate"
         if reply.duplicate
