@@ -464,6 +464,34 @@ def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
         cluster.close()
 
 
+def test_a_tree_holding_one_array_in_two_leaves_is_merged_without_donating():
+    config = _config(
+        inner_steps=8,
+        **{"decoupled.fragments": 2, "decoupled.quorum": 1, "decoupled.apply_on_arrival": True},
+    )
+    cluster = _Cluster(config)
+    try:
+        learner, params = cluster.join(0)
+        sync = learner.sync
+        _steps(sync, _shift(params, -0.25), 4)  # fragment 0 is due after step 4
+        _wait(lambda: sync.arrived() == {0: 1}, "the merge")
+        leaves = list(sync.treedef.flatten_up_to(_shift(params, 0.25)))
+        # A leaf of fragment 0 and one of fragment 1 of the same shape: one array in both.
+        a, b = next(
+            (x, y)
+            for x in sync.cut[0]
+            for y in sync.cut[1]
+            if leaves[x.index].shape == leaves[y.index].shape
+        )
+        leaves[b.index] = leaves[a.index]
+        got = sync.treedef.flatten_up_to(sync.apply_arrivals(sync.treedef.unflatten(leaves)))
+        assert sync.versions == [1, 0]
+        assert not any(x.is_deleted() for x in leaves)  # the caller's tree is intact
+        np.testing.assert_array_equal(np.asarray(got[b.index]), np.asarray(leaves[a.index]))
+    finally:
+        cluster.close()
+
+
 def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arrives():
     z = {
         "compression.scheme": "topk",

@@ -287,6 +287,9 @@ class DecoupledSync:
         if not ready:
             return params
         leaves = self.treedef.flatten_up_to(params)
+        # One array in two leaves (a step that returns aliased outputs) cannot be donated for
+        # one of them and still be read for the other: such a tree is merged without donating.
+        donate = donate and len({id(x) for x in leaves}) == len(leaves)
         # As in `_launch`: the dispatched steps that produce these values finish outside the
         # timer (with one device the loop may run a whole round ahead of the compute).
         jax.block_until_ready([leaves[s.index] for p in ready for s in self.cut[p]])
