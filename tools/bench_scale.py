@@ -546,6 +546,9 @@ def main() -> None:
             # (1B: a synthetic step rewrites 4 GB, ~0.5-1 s on 2 cores; the learner peaks at
             # ~11 GB beside a ~10 GB syncer, measured.)
             ("learner", ["--sizes=1b", "--steps=200", "--step_s=1.5"]),
+            # (Without the overlap copy the learner holds θ, the anchor and one fragment in
+            # flight: issue 20's bound, 2.29x net of the process, measured.)
+            ("learner", ["--sizes=1b", "--steps=200", "--step_s=1.5", "--keep_overlap=False"]),
             ("precision", ["--steps=200"]),
         ):
             command = [sys.executable, "-m", "tools.bench_scale", f"--section={section}", *extra]
