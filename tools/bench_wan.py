@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import pathlib
 import signal
@@ -132,16 +133,23 @@ class Setting:
 
     def _decoupled_plan(self, w: bandwidth.Workload, common: dict) -> bandwidth.LinkPlan:
         bits = _BITS[self.scheme]
-        run = runs.resolve(CONFIG)
-        # On data leases a learner's end is the pause at its last lease, which waits until
-        # every push is answered, with no bound; without leases the final flush gives up
-        # after 2 x rpc_timeout_s (`learner.push.flush`).
-        bound = 0.0 if c.data_leases(run) else 2 * run.decoupled.syncer.rpc_timeout_s
         return bandwidth.LinkPlan(
             **common, inner_steps=w.inner_steps, fragments=self.fragments,
             overlap_steps=w.inner_steps // 5, bits=bits, down_bits=bits, topology="syncer",
-            flush_timeout_s=bound,
+            flush_timeout_s=_flush_bound(),
         )  # fmt: skip
+
+
+@functools.cache
+def _flush_bound() -> float:
+    """How long the runs' learners may take to end (`LinkPlan.flush_timeout_s`; 0: no bound).
+
+    On data leases a learner's end is the pause at its last lease, which waits until every
+    push is answered; without leases the final flush gives up after 2 x rpc_timeout_s
+    (`learner.push.flush`).
+    """
+    run = runs.resolve(CONFIG)
+    return 0.0 if c.data_leases(run) else 2 * run.decoupled.syncer.rpc_timeout_s
 
 
 SETTINGS = [
