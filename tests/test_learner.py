@@ -64,6 +64,21 @@ class _Cluster:
         self.server.stop(0)
 
 
+def _ended(sync):
+    """Whether every round trip has ended.
+
+    A trip puts its merge in the inbox or counts its refusal, then ends (it lets go of its
+    arrays and trims the heap): until then its fragment is under way (held at its next due
+    step, crossing at a pause). Tests that go on from a trip's outcome wait for its end too.
+    """
+    return all(trip.done() for trip in sync.trips.values())
+
+
+def _back(sync):
+    """The merges in the inbox once every round trip has ended (`_ended`), else None."""
+    return sync.arrived() if _ended(sync) else None
+
+
 def _steps(sync, params, n, tokens=64):
     for _ in range(n):
         sync.step_done(params, tokens)
@@ -149,7 +164,7 @@ def test_alpha_mixes_local_and_global_values(alpha):
         sync = learner.sync
         theta = _shift(params, -0.25)  # Δ = 0.25 everywhere
         _steps(sync, theta, 2)  # fragment 0 due after step 2: pushed
-        _wait(lambda: sync.arrived() == {0: 1}, "the merge")
+        _wait(lambda: _back(sync) == {0: 1}, "the merge")
         local = _shift(params, 1.0)  # the live values when the merge is applied
         local_values = [np.array(x) for x in _leaves(sync, local)]  # (apply_arrivals donates)
         mixed = _leaves(sync, sync.apply_arrivals(local))
@@ -189,7 +204,7 @@ def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
         # Learner 0's push, still anchored at version 0, joins the next round (version 2):
         # what comes back must hold it, not be version 1, merged before it arrived.
         _steps(zero.sync, _shift(params0, -0.25), 4)
-        _wait(lambda: zero.sync.arrived(), "learner 0's merge")
+        _wait(lambda: _back(zero.sync), "learner 0's merge")
         assert zero.sync.arrived() == {0: 2} and cluster.fragment(0).version == 2
         assert cluster.server.state.merge_log[-1]["learners"] == [0]
         _steps(zero.sync, params0, 2)  # τ = 2 steps after the push
@@ -224,7 +239,7 @@ def test_a_fragment_due_while_its_round_trip_is_under_way_is_held_then_pushed_wh
         assert zero.sync.held == {0} and zero.sync.deferred == 1
         assert zero.sync.rounds[0] == 1 and zero.sync.steps_since[0] == 4
         _steps(one.sync, _shift(params1, -0.25), 4)  # the round closes (version 1)
-        _wait(lambda: zero.sync.arrived() == {0: 1}, "learner 0's merge")
+        _wait(lambda: _back(zero.sync) == {0: 1}, "learner 0's merge")
         merged = zero.sync.apply_arrivals(_shift(params0, -0.5))
         assert zero.sync.versions[0] == 1
         zero.sync.step_done(_shift(merged, -0.125), 64)  # step 9: pushed now, 5 steps
@@ -300,7 +315,7 @@ def _refused_as_late(cluster):
     theta1 = [np.array(x) for x in cluster.fragment(0).values]
     for i in range(4):
         zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
-    _wait(lambda: zero.sync.arrived() == {0: 1}, "the current values after the refusal")
+    _wait(lambda: _back(zero.sync) == {0: 1}, "the current values after the refusal")
     assert zero.sync.pushes["late"] == 1
     return zero, params0, theta1
 
@@ -377,7 +392,7 @@ def test_a_merge_waits_tau_steps_unless_applied_on_arrival_and_its_lag_is_logged
         learner, params = cluster.join(0)
         sync = learner.sync
         _steps(sync, _shift(params, -0.25), 8)  # fragment 0 is due after step 8
-        _wait(lambda: sync.arrived() == {0: 1}, "the merge")
+        _wait(lambda: _back(sync) == {0: 1}, "the merge")
         _steps(sync, params, 2)  # two steps after the push: applied only on arrival
         sync.apply_arrivals(params)
         assert sync.versions == [1 if on_arrival else 0]
@@ -445,7 +460,7 @@ def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
         sync = learner.sync
         at_push = _shift(params, -0.25)
         _steps(sync, at_push, 4)  # fragment 0 is due after step 4 (offset 8 / 2)
-        _wait(lambda: sync.arrived() == {0: 1}, "the merge")
+        _wait(lambda: _back(sync) == {0: 1}, "the merge")
         now = _shift(params, 0.25)  # the overlap steps' progress: +0.5 since the push
         now_values = [np.array(x) for x in _leaves(sync, now)]  # (apply_arrivals donates)
         got = _leaves(sync, sync.apply_arrivals(now))
@@ -474,7 +489,7 @@ def test_a_tree_holding_one_array_in_two_leaves_is_merged_without_donating():
         learner, params = cluster.join(0)
         sync = learner.sync
         _steps(sync, _shift(params, -0.25), 4)  # fragment 0 is due after step 4
-        _wait(lambda: sync.arrived() == {0: 1}, "the merge")
+        _wait(lambda: _back(sync) == {0: 1}, "the merge")
         leaves = list(sync.treedef.flatten_up_to(_shift(params, 0.25)))
         # A leaf of fragment 0 and one of fragment 1 of the same shape: one array in both.
         a, b = next(
@@ -523,7 +538,7 @@ def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arriv
         for spec in sync.cut[0]:
             assert 0 < np.count_nonzero(kept[spec.index]) < kept[spec.index].size
             assert np.all((kept[spec.index] == 0) | np.isclose(kept[spec.index], 1.0))
-        _wait(lambda: sync.arrived() == {0: 1}, "the merge")
+        _wait(lambda: _back(sync) == {0: 1}, "the merge")
         theta = sync.apply_arrivals(params)
         got = _leaves(sync, theta)
         for spec, value in zip(sync.cut[0], cluster.fragment(0).values, strict=True):
@@ -635,7 +650,7 @@ def test_steps_refused_as_covered_never_reach_a_later_push():
         _wait(lambda: 1 in cluster.fragment(0).pending, "learner 1's push")
         for i in range(4):
             zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
-        _wait(lambda: zero.sync.pushes["covered"] == 1, "the refusal")
+        _wait(lambda: _ended(zero.sync) and zero.sync.pushes["covered"] == 1, "the refusal")
         zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, 4))  # dropped: a hole
         for i in range(5, 8):  # steps 6-8; the step at 8 pushes
             zero.sync.step_done(_shift(params0, -0.75), 64, data=(0, i))
@@ -705,7 +720,7 @@ def test_a_finished_round_trip_holds_no_copy_of_the_fragment_or_of_its_old_ancho
         sync = learner.sync
         model = sum(x.nbytes for x in _leaves(sync, params))
         _steps(sync, _shift(params, -0.25), 8)  # both fragments pushed (after steps 4 and 8)
-        _wait(lambda: sync.arrived() == {0: 1, 1: 1}, "both merges")
+        _wait(lambda: _back(sync) == {0: 1, 1: 1}, "both merges")
         params = sync.apply_arrivals(_shift(params, 0.25))
         sync.step_done(params, 64)
         # θ (the last step's parameters) and the anchor: nothing else stays.
