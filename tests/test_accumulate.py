@@ -9,6 +9,7 @@ superseded ones when the round closes. Through the server, pushes live in the pu
 import pathlib
 
 import numpy as np
+import optax
 import pytest
 
 from decoupled_diloco.comm.client import SyncerClient
@@ -295,17 +296,54 @@ def test_a_snapshot_holds_arrays_that_later_merges_never_write(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("size", [1, 5, (1 << 20) + 7, 2 * (1 << 20) + 1])
-def test_flat_step_init_made_in_chunks_is_optax_init(size):
+@pytest.mark.parametrize("nesterov, delayed", [(True, 0), (False, 4)])
+def test_flat_step_is_optax_in_new_values_and_steps_its_state_in_place_unless_viewed(
+    nesterov, delayed
+):
+    """`FlatStep` is optax's step on the vector (averaged ranges: Θ − g), its new values are a
+    read-only vector of their own (installed values are never written), and it steps the
+    optimizer state in place except while numpy views of it are held, as a snapshot being
+    written holds them: then those arrays stay as they were."""
     import jax
 
-    for nesterov, delayed in ((True, 0), (False, 4)):
-        tx = outer.make_outer_optimizer(0.7, 0.9, nesterov, delayed)
-        want = jax.tree.leaves(tx.init({"flat": np.zeros(size, np.float32)}))
-        got = accumulate.FlatStep(tx, size).init()
-        assert [(x.shape, x.dtype) for x in got] == [(x.shape, x.dtype) for x in want]
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_array_equal(a, np.asarray(b))
+    from decoupled_diloco.core import host
+
+    size, averaged = (1 << 16) + 7, [(10, 20)]
+    tx = outer.make_outer_optimizer(0.7, 0.9, nesterov, delayed)
+    step = accumulate.FlatStep(tx, size, averaged)
+    want_state = tx.init({"flat": np.zeros(size, np.float32)})
+    state = step.init()
+    assert [x.shape for x in state] == step.shapes()
+    assert [x.shape for x in state] == [x.shape for x in jax.tree.leaves(want_state)]
+    rng = np.random.default_rng(0)
+    params = host.aligned_copy(rng.standard_normal(size).astype(np.float32))
+    for i in range(3):
+        grads = host.aligned_copy(rng.standard_normal(size).astype(np.float32) * 1e-2)
+        updates, want_state = tx.update({"flat": grads}, want_state, {"flat": params})
+        want = np.asarray(optax.apply_updates({"flat": params}, updates)["flat"]).copy()
+        want[10:20] = params[10:20] - grads[10:20]
+        vectors = [x for x in state if np.ndim(x)]
+        was = [np.array(x) for x in vectors]
+        pointers = [x.unsafe_buffer_pointer() for x in vectors]
+        held = [np.asarray(x) for x in vectors] if i == 1 else []  # a snapshot's views
+        before = params.copy()
+        new, state, step_sq = step(params, state, grads)
+        np.testing.assert_array_equal(params, before)
+        assert not new.flags.writeable and new.ctypes.data != params.ctypes.data
+        np.testing.assert_allclose(new, want, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(step_sq, np.sum((new - params) ** 2.0), rtol=1e-4)
+        for a, b in zip(jax.tree.leaves(want_state), state, strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+        vectors = [x for x in state if np.ndim(x)]
+        in_place = [x.unsafe_buffer_pointer() == q for x, q in zip(vectors, pointers, strict=True)]
+        if held:
+            assert not any(in_place)
+            for j, old in enumerate(was):
+                np.testing.assert_array_equal(held[j], old)  # what the snapshot writes
+            del held
+        elif jax.default_backend() == "cpu":
+            assert all(in_place)
+        params = new
 
 
 def test_aligned_host_vectors_are_read_in_place_and_never_written_by_a_donated_step():

@@ -31,7 +31,6 @@ STATES = frozenset({"training", "done"})
 # An all-zero fragment (e.g. only biases at init) still admits outer gradients of RMS ≤ this
 # times `max_delta_norm` per value.
 NORM_FLOOR = 1e-3
-_CHUNK = 1 << 18  # values per numpy operation in a pass over a fragment
 
 
 def check_counters(steps: int, tokens: int, max_steps: int, tokens_per_step: int) -> str | None:
@@ -92,22 +91,15 @@ def merged_step_bound(
     return 2.0 * lr / max(1.0 - momentum, 1e-6) * norm_bound(values, ratio)
 
 
-def check_merged(old: Sequence[np.ndarray], new: Sequence[np.ndarray], bound: float) -> str | None:
+def check_step(step_sq: float, bound: float) -> str | None:
     """Refuses a merge result that is not finite or steps further than `bound`.
 
-    One pass over both (a chunk at a time, no tensor-sized temporaries): the step's squared
-    norm, which is finite only if every new value is (the old ones are).
+    `step_sq` is ‖Θ' − Θ‖² (`core.accumulate.FlatStep`), finite only if every new value is
+    (the old ones are).
     """
-    total = 0.0
-    for i, (a, b) in enumerate(zip(old, new, strict=True)):
-        flat_a, flat_b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            for start in range(0, flat_a.size, _CHUNK):
-                d = np.subtract(flat_b[start : start + _CHUNK], flat_a[start : start + _CHUNK])
-                total += float(np.dot(d, d))
-        if not math.isfinite(total):
-            return f"tensor {i} of the merged values is not finite (or its step overflows)"
-    step = math.sqrt(total)
+    if not math.isfinite(step_sq):
+        return "the merged values are not finite (or their step overflows)"
+    step = math.sqrt(step_sq)
     if not step <= bound:
         return f"the merged outer step {step:.4g} exceeds its bound {bound:.4g}"
     return None

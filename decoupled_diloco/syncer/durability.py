@@ -46,9 +46,10 @@ def snapshot(
 ) -> tuple[dict[str, Any], dict[str, Any], dict[int, tuple[int, list[np.ndarray]]]]:
     """A consistent view of the state; call under `state.lock`.
 
-    The arrays are the state's own, not copies: a merge installs new arrays (`FragmentState`
-    values, `FlatStep` state) and never writes into ones it has installed, so they stay as
-    they are while Orbax writes them (outside the lock).
+    The arrays are the state's own, not copies: a merge installs new values (`FragmentState`)
+    and never writes into ones it has installed, and steps the optimizer state in place only
+    where no numpy view of it is held (`FlatStep`), so they stay as they are while Orbax
+    writes them (outside the lock).
 
     Returns:
       (tree of arrays for Orbax, JSON metadata, {fragment: (version, values)} to publish).
@@ -65,7 +66,9 @@ def snapshot(
                     in_memory[f"l{x.learner_id}p{j}"] = [np.array(a) for a in payload.arrays]
         tree[f"f{p}"] = {
             "values": list(f.values),
-            "opt": list(f.opt_state),
+            # (numpy views: while one is held, XLA writes the next merge's state anew
+            # instead of stepping these arrays in place, `core.accumulate.FlatStep`)
+            "opt": [np.asarray(x) for x in f.opt_state],
             "history": {
                 f"v{v}": {f"t{t}": a for t, a in kept.items()} for v, kept in f.history.items()
             },

@@ -47,14 +47,14 @@ class Merged:
 
     Attributes:
       values: the new values per tensor (views of `buffer`, in the fragment's shapes).
-      buffer: the flat vector that holds them (the round's buffer).
-      opt_state: the outer optimizer state after the step.
+      buffer: the flat vector that holds them (read-only: `FlatStep`'s output).
+      opt_state: the outer optimizer state after the step (`FlatStep`'s leaves).
       weights: the pushes' raw token weights; `shares` what each counted for after the cap.
     """
 
     values: list[np.ndarray]
     buffer: np.ndarray
-    opt_state: list[np.ndarray]
+    opt_state: list[Any]
     weights: list[float]
     shares: list[float]
 
@@ -115,7 +115,9 @@ class FragmentMath:
         rda = config.outer.merge == "rda"
         self.plain = [not rda or m or a for m, a in zip(mean_only, averaged, strict=True)]
         self.by_syncer = config.decoupled.stale_anchor == "syncer"
-        self.step = accumulate.FlatStep(tx, max(size, 1))
+        offsets = np.cumsum([0] + [math.prod(s.shape) for s in self.specs])
+        ranges = [(int(offsets[t]), int(offsets[t + 1])) for t, a in enumerate(averaged) if a]
+        self.step = accumulate.FlatStep(tx, max(size, 1), ranges if size else ())
 
     def kept(self, values: Sequence[np.ndarray]) -> dict[int, np.ndarray]:
         """What the version history keeps of the fragment's values (see `FragmentState`)."""
@@ -241,23 +243,20 @@ class FragmentMath:
         # of all would, so one outer lr suits both gathered rounds and lone asynchronous pushes.
         members = max(live, len(pushes))
         fraction = len(pushes) / members if d.partial_merge == "share" else 1.0
-        merged = frag.round.finish(fraction, prescale)
-        buffer = frag.round.buffer
-        # Averaged state (batch statistics) is the weighted mean itself: Θ − mean(Θ − θ_m).
-        state = {
-            t: frag.values[t].reshape(-1) - merged[t]
-            for t, is_state in enumerate(self.averaged)
-            if is_state
-        }
-        opt_state = self.step(frag.flat, frag.opt_state, buffer, buffer)  # Θ' → buffer
-        for t, value in state.items():
-            merged[t][:] = value
-        values = [x.reshape(s.shape) for x, s in zip(merged, self.specs, strict=True)]
+        frag.round.finish(fraction, prescale)
+        # Θ' in a new vector; averaged state (batch statistics) is the weighted mean itself,
+        # Θ − mean(Θ − θ_m) (`FlatStep`'s `averaged`); ‖Θ' − Θ‖² from the same pass.
+        flat, opt_state, step_sq = self.step(frag.flat, frag.opt_state, frag.round.buffer)
+        values, at = [], 0
+        for spec in self.specs:
+            n = math.prod(spec.shape)
+            values.append(flat[at : at + n].reshape(spec.shape))
+            at += n
         # Averaged state (batch statistics) moves by the mean itself: rate 1, no momentum.
         lr = max(o.lr, 1.0 - o.momentum) if any(self.averaged) else o.lr
         bound = admission.merged_step_bound(frag.values, d.syncer.max_delta_norm, lr, o.momentum)
-        error = admission.check_merged(frag.values, values, bound)
-        return error or Merged(values, buffer, opt_state, raw, shares)
+        error = admission.check_step(step_sq, bound)
+        return error or Merged(values, flat, opt_state, raw, shares)
 
 
 def initial_states(

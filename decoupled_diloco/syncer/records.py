@@ -154,7 +154,7 @@ class FragmentState:
       flat: its global values as one float32 vector (its own copy: merges never share it);
         `values` are views of it, one per tensor. Never written once installed: a merge
         installs a new vector (`set_flat`), so snapshots and pulls may hold the old one.
-      opt_state: the outer optimizer's state for it (`core.accumulate.FlatStep`: numpy leaves).
+      opt_state: the outer optimizer's state for it (`core.accumulate.FlatStep`'s leaves).
     """
 
     def __init__(self, specs: list[Any], flat: np.ndarray, opt_state: list[np.ndarray]):
