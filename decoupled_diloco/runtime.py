@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import os
 import pathlib
 import re
@@ -236,7 +237,13 @@ def trim_memory() -> None:
     a merge's and a snapshot's temporaries on many threads, a process's RSS would stay at its
     high-water mark (measured: 2.7 GB retained after initialising a 1.5 GB model, 1.7 GB once
     trimmed). The syncer calls this after start-up, merges and snapshots.
+
+    First a young-generation garbage collection, for what it runs: JAX frees some arrays only
+    from its collector callback (jax-ml/jax#14882), among them the XLA buffers behind numpy
+    views that were dropped, as a syncer's replaced merged values are (`FlatStep`). Measured on
+    one 85 MB fragment's closes: 2 fragments held until the next collection otherwise.
     """
+    gc.collect(0)
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
