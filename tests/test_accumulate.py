@@ -327,11 +327,12 @@ def test_flat_step_is_optax_in_new_values_and_steps_its_state_in_place_unless_vi
         pointers = [x.unsafe_buffer_pointer() for x in vectors]
         held = [np.asarray(x) for x in vectors] if i == 1 else []  # a snapshot's views
         before = params.copy()
-        new, state, step_sq = step(params, state, grads)
+        new, state, step_sq, new_sq = step(params, state, grads)
         np.testing.assert_array_equal(params, before)
         assert not new.flags.writeable and new.ctypes.data != params.ctypes.data
         np.testing.assert_allclose(new, want, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(step_sq, np.sum((new - params) ** 2.0), rtol=1e-4)
+        np.testing.assert_allclose(new_sq, np.sum(new.astype(np.float64) ** 2), rtol=1e-4)
         for a, b in zip(jax.tree.leaves(want_state), state, strict=True):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
         vectors = [x for x in state if np.ndim(x)]

@@ -187,6 +187,9 @@ def test_retried_push_counts_once_and_merge_matches_numpy(syncer):
             merged = (w[0] * n0 + w[1] * n1) * direction / np.linalg.norm(direction)
         want = a - lr * (merged + mu * merged)  # first Nesterov step: momentum = merged
         np.testing.assert_allclose(g, want, rtol=2e-5, atol=2e-7)
+    # The admission bounds' scale, ‖Θ‖, comes with the merge's values (`FragmentState.norm`).
+    merged_norm = np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in got))
+    np.testing.assert_allclose(server.state.fragments[p].norm(), merged_norm, rtol=1e-5)
     assert client.status()["fragments"][p]["duplicate_pushes"] == 1
     # A restarted learner registers again and numbers its rounds from 0: not a duplicate.
     client.register(0, server.fingerprint)

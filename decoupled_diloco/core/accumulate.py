@@ -139,8 +139,9 @@ class FlatStep:
 
     The fragment's tensors are one float32 vector; `tx` sees it as the tree {"flat": vector}.
     One compiled call steps the whole vector: XLA fuses the update into one pass, so it needs
-    no vector-sized temporaries beyond its outputs, and the step's squared norm (the merged
-    step's check, `syncer.admission.check_step`) comes out of the same call.
+    no vector-sized temporaries beyond its outputs, and the squared norms of the step (the merged
+    step's check, `syncer.admission.check_step`) and of the new values (the next admission
+    bounds' scale) come out of the same call.
 
     Buffers (measured on one 114 MB fragment: 0.05-0.07 s against 0.12-0.17 s a chunk at a
     time with the outputs copied back): the new values are a fresh vector, never one already
@@ -174,7 +175,7 @@ class FlatStep:
             d = new - params
             # (A donated buffer goes to the first output of its shape: the state comes first,
             # so that it is stepped in place rather than becoming the new values.)
-            return state, new, jnp.sum(d * d)
+            return state, new, jnp.sum(d * d), jnp.sum(new * new)
 
         self._jit = jax.jit(step, donate_argnums=(1,))
         self._compiled = None
@@ -208,8 +209,8 @@ class FlatStep:
 
     def __call__(
         self, params: np.ndarray, state: Sequence[Any], grads: np.ndarray
-    ) -> tuple[np.ndarray, list[jax.Array], float]:
-        """One outer step: (the new values, the new state's leaves, ‖new − params‖²).
+    ) -> tuple[np.ndarray, list[jax.Array], float, float]:
+        """One outer step: (the new values, the new state's leaves, ‖new − params‖², ‖new‖²).
 
         `params` and `grads` are read, not changed (aligned vectors are read in place,
         `core.host`); the new values are a read-only vector of their own; `state` is donated
@@ -217,7 +218,7 @@ class FlatStep:
         is not finite (`params` is).
         """
         self.warm_up()
-        state, new, step_sq = self._compiled(
+        state, new, step_sq, new_sq = self._compiled(
             params, jax.tree.unflatten(self.treedef(), list(state)), grads
         )
-        return np.asarray(new), jax.tree.leaves(state), float(step_sq)
+        return np.asarray(new), jax.tree.leaves(state), float(step_sq), float(new_sq)

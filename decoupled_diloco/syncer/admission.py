@@ -62,15 +62,17 @@ def norm(arrays: Sequence[np.ndarray]) -> float:
     return math.sqrt(total) if math.isfinite(total) else math.inf
 
 
-def norm_bound(values: Sequence[np.ndarray], ratio: float) -> float:
-    """The largest outer-gradient norm admitted for a fragment whose global values are `values`."""
-    n = sum(int(np.size(v)) for v in values)
-    return ratio * max(norm(values), NORM_FLOOR * math.sqrt(max(n, 1)))
+def norm_bound(values_norm: float, size: int, ratio: float) -> float:
+    """The largest outer-gradient norm admitted for a fragment of `size` values.
+
+    `values_norm` is its global values' norm ‖Θ_p‖ (`FragmentState.norm`).
+    """
+    return ratio * max(values_norm, NORM_FLOOR * math.sqrt(max(size, 1)))
 
 
-def check_norm(got: float, values: Sequence[np.ndarray], ratio: float) -> str | None:
-    """Refuses an outer-gradient norm `got` above `norm_bound(values, ratio)`."""
-    bound = norm_bound(values, ratio)
+def check_norm(got: float, values_norm: float, size: int, ratio: float) -> str | None:
+    """Refuses an outer-gradient norm `got` above `norm_bound(values_norm, size, ratio)`."""
+    bound = norm_bound(values_norm, size, ratio)
     if not got <= bound:
         return (
             f"outer-gradient norm {got:.4g} exceeds the bound {bound:.4g} "
@@ -80,7 +82,7 @@ def check_norm(got: float, values: Sequence[np.ndarray], ratio: float) -> str | 
 
 
 def merged_step_bound(
-    values: Sequence[np.ndarray], ratio: float, lr: float, momentum: float
+    values_norm: float, size: int, ratio: float, lr: float, momentum: float
 ) -> float:
     """The largest outer step ‖Θ' − Θ‖ a merge of admitted outer gradients can take.
 
@@ -88,7 +90,7 @@ def merged_step_bound(
     mean is at most the largest); an SGD/Nesterov step with momentum β moves at most
     lr/(1 − β) times that. Twice that leaves room for momentum built while Θ was larger.
     """
-    return 2.0 * lr / max(1.0 - momentum, 1e-6) * norm_bound(values, ratio)
+    return 2.0 * lr / max(1.0 - momentum, 1e-6) * norm_bound(values_norm, size, ratio)
 
 
 def check_step(step_sq: float, bound: float) -> str | None:

@@ -48,12 +48,14 @@ class Merged:
     Attributes:
       values: the new values per tensor (views of `buffer`, in the fragment's shapes).
       buffer: the flat vector that holds them (read-only: `FlatStep`'s output).
+      norm: ‖buffer‖ (the next admission bounds' scale, `FragmentState.norm`).
       opt_state: the outer optimizer state after the step (`FlatStep`'s leaves).
       weights: the pushes' raw token weights; `shares` what each counted for after the cap.
     """
 
     values: list[np.ndarray]
     buffer: np.ndarray
+    norm: float
     opt_state: list[Any]
     weights: list[float]
     shares: list[float]
@@ -246,7 +248,7 @@ class FragmentMath:
         frag.round.finish(fraction, prescale)
         # Θ' in a new vector; averaged state (batch statistics) is the weighted mean itself,
         # Θ − mean(Θ − θ_m) (`FlatStep`'s `averaged`); ‖Θ' − Θ‖² from the same pass.
-        flat, opt_state, step_sq = self.step(frag.flat, frag.opt_state, frag.round.buffer)
+        flat, opt_state, step_sq, flat_sq = self.step(frag.flat, frag.opt_state, frag.round.buffer)
         values, at = [], 0
         for spec in self.specs:
             n = math.prod(spec.shape)
@@ -254,9 +256,11 @@ class FragmentMath:
             at += n
         # Averaged state (batch statistics) moves by the mean itself: rate 1, no momentum.
         lr = max(o.lr, 1.0 - o.momentum) if any(self.averaged) else o.lr
-        bound = admission.merged_step_bound(frag.values, d.syncer.max_delta_norm, lr, o.momentum)
+        bound = admission.merged_step_bound(
+            frag.norm(), frag.flat.size, d.syncer.max_delta_norm, lr, o.momentum
+        )
         error = admission.check_step(step_sq, bound)
-        return error or Merged(values, flat, opt_state, raw, shares)
+        return error or Merged(values, flat, math.sqrt(flat_sq), opt_state, raw, shares)
 
 
 def initial_states(

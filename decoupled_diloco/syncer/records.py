@@ -178,8 +178,12 @@ class FragmentState:
         self.merges = self.late = self.duplicates = self.refused_merges = 0
         self.accepted = 0  # pushes taken into a round (since this process started)
 
-    def set_flat(self, flat: np.ndarray) -> None:
-        """Installs new global values (`values` become views of `flat`)."""
+    def set_flat(self, flat: np.ndarray, norm: float | None = None) -> None:
+        """Installs new global values (`values` become views of `flat`).
+
+        `norm`: ‖flat‖ where known (else `norm()` computes it when first asked).
+        """
+        self._norm = (flat, norm)
         self.flat = flat
         if flat.size == 0:  # a fragment another shard owns: no values
             self.values = [flat] * len(self.specs)
@@ -194,6 +198,7 @@ class FragmentState:
     def install(
         self,
         flat: np.ndarray,
+        norm: float,
         kept: Any,
         learners: list[int],
         max_staleness: int,
@@ -202,13 +207,14 @@ class FragmentState:
         """Installs a merged version: new values, the version history, who awaits it.
 
         Args:
-          flat: the merged values (the round's buffer).
+          flat: the merged values (`FlatStep`'s new vector).
+          norm: ‖flat‖, computed with it (`norm`).
           kept: what the history keeps of a version's values (`FragmentMath.kept`).
           learners: the learners whose pushes it merged.
           max_staleness: versions older than this many behind are forgotten.
           publish: make it visible at once (a syncer without durability).
         """
-        self.set_flat(flat)
+        self.set_flat(flat, norm)
         self.round = None
         self.version += 1
         if publish:
@@ -221,6 +227,20 @@ class FragmentState:
         oldest = self.version - max_staleness
         self.history = {v: x for v, x in self.history.items() if v >= oldest}
         self.awaiting_sync = {v: x for v, x in self.awaiting_sync.items() if v >= oldest}
+
+    def norm(self) -> float:
+        """‖Θ‖ of the installed values, the scale of the admission bounds (`syncer.admission`).
+
+        Computed once per installed vector (by the merge that made it, or here when first
+        asked); a reader outside the lock gets the norm of the vector installed when it asked.
+        """
+        flat, norm = self._norm
+        if norm is None:
+            with np.errstate(over="ignore", invalid="ignore"):
+                total = float(np.dot(flat, flat)) if flat.size else 0.0
+            norm = math.sqrt(total) if math.isfinite(total) else math.inf
+            self._norm = (flat, norm) if self._norm[0] is flat else self._norm
+        return norm
 
     def end_round(self) -> None:
         """Forgets the open round (merged or dropped)."""

@@ -388,7 +388,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         except wire.PayloadError as error:
             self._refuse(context, _INVALID, f"fragment {h.fragment}: {error}")
         error = admission.check_norm(
-            math.sqrt(total), frag.values, self.syncer_config.max_delta_norm
+            math.sqrt(total), frag.norm(), frag.flat.size, self.syncer_config.max_delta_norm
         )
         if error:
             self._refuse(context, _INVALID, f"push of learner {h.learner_id}: {error}")

@@ -351,6 +351,7 @@ class SyncerState:
             self.merge_hook()
         frag.install(
             result.buffer,
+            result.norm,
             self.math[p].kept,
             [x.learner_id for x in pushes],
             self.config.decoupled.syncer.max_staleness,
