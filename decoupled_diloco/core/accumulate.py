@@ -190,11 +190,15 @@ class FlatStep:
     def init(self) -> list[jax.Array]:
         """The optimizer's state for a vector of `size` values, as a list of leaves.
 
-        Each leaf its own array (optax may give two zero leaves one buffer, which could not be
-        donated twice).
+        `tx.init` of a one-value vector, each per-value leaf then filled out to `size`: one
+        allocation per leaf and each leaf its own array (`tx.init` of the whole vector made
+        two more vector-sized arrays first, +2 GB at the start of a 1B syncer; and optax may
+        give two zero leaves one buffer, which could not be donated twice).
         """
-        state = self.tx.init({"flat": jnp.zeros(self.size, jnp.float32)})
-        return [jnp.array(x, copy=True) for x in jax.tree.leaves(state)]
+        one = jax.tree.leaves(self.tx.init({"flat": np.zeros(1, np.float32)}))
+        return [
+            jnp.full((self.size,), x[0], x.dtype) if x.shape == (1,) else jnp.array(x) for x in one
+        ]
 
     def shapes(self) -> list[tuple[int, ...]]:
         """The shapes of `init`'s leaves (without making them)."""
