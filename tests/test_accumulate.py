@@ -314,6 +314,7 @@ def test_flat_step_is_optax_in_new_values_and_steps_its_state_in_place_unless_vi
     want_state = tx.init({"flat": np.zeros(size, np.float32)})
     state = step.init()
     assert [x.shape for x in state] == step.shapes()
+    assert {d.platform for x in state for d in x.devices()} == {"cpu"}  # the host's memory
     assert [x.shape for x in state] == [x.shape for x in jax.tree.leaves(want_state)]
     rng = np.random.default_rng(0)
     params = host.aligned_copy(rng.standard_normal(size).astype(np.float32))

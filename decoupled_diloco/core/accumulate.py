@@ -134,6 +134,14 @@ class RoundSum:
         return out
 
 
+def host_device() -> jax.Device:
+    """The host CPU's JAX device (the default device where the CPU backend is not loaded)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
+
+
 class FlatStep:
     """An element-wise outer optimizer (`outer.make_outer_optimizer`) on one flat vector.
 
@@ -166,6 +174,9 @@ class FlatStep:
         averaged: Sequence[tuple[int, int]] = (),
     ):
         self.tx, self.size, self.averaged = tx, size, [tuple(r) for r in averaged]
+        # Host work wherever the process's default device is (an in-process syncer beside
+        # learners on a GPU would otherwise keep the outer momentum in the GPU's memory).
+        self.device = host_device()
 
         def step(params, state, grads):
             updates, state = tx.update({"flat": grads}, state, {"flat": params})
@@ -183,8 +194,12 @@ class FlatStep:
     def warm_up(self) -> None:
         """Compiles the step ahead of the first merge (from shapes: nothing is allocated)."""
         if self._compiled is None:
-            vector = jax.ShapeDtypeStruct((self.size,), jnp.float32)
-            state = jax.eval_shape(self.tx.init, {"flat": vector})
+            where = jax.sharding.SingleDeviceSharding(self.device)
+            vector = jax.ShapeDtypeStruct((self.size,), jnp.float32, sharding=where)
+            state = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                jax.eval_shape(self.tx.init, {"flat": vector}),
+            )
             self._compiled = self._jit.lower(vector, state, vector).compile()
 
     def init(self) -> list[jax.Array]:
@@ -196,9 +211,11 @@ class FlatStep:
         give two zero leaves one buffer, which could not be donated twice).
         """
         one = jax.tree.leaves(self.tx.init({"flat": np.zeros(1, np.float32)}))
-        return [
-            jnp.full((self.size,), x[0], x.dtype) if x.shape == (1,) else jnp.array(x) for x in one
-        ]
+        with jax.default_device(self.device):
+            return [
+                jnp.full((self.size,), x[0], x.dtype) if x.shape == (1,) else jnp.array(x)
+                for x in one
+            ]
 
     def shapes(self) -> list[tuple[int, ...]]:
         """The shapes of `init`'s leaves (without making them)."""
