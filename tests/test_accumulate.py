@@ -294,6 +294,17 @@ def test_a_snapshot_holds_arrays_that_later_merges_never_write(tmp_path):
     for got, want in zip(restored["f0"]["values"] + restored["f0"]["opt"], held, strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
+    # ‖Θ‖, the admission bounds' scale, travels with the snapshot (a merge replayed after a
+    # restore then meets the bounds it met when it ran); where one is recorded it is taken as is.
+    from decoupled_diloco.syncer.durability import load
+
+    want = np.sqrt(sum(np.sum(np.square(v, dtype=np.float64)) for v in held[:n]))
+    np.testing.assert_allclose(meta["fragments"]["0"]["norm"], want, rtol=1e-6)
+    restored_meta["fragments"]["0"]["norm"] *= 1.001
+    fresh = SyncerState(config, cut, values)
+    load(fresh, restored, restored_meta)
+    assert fresh.fragments[0].version == 2
+    assert fresh.fragments[0].norm() == restored_meta["fragments"]["0"]["norm"]
 
 
 @pytest.mark.parametrize("nesterov, delayed", [(True, 0), (False, 4)])

@@ -13,9 +13,10 @@ one (the weighted mean of the norms along the weighted mean direction). The call
 coefficients (the syncer folds token weights as they come and rescales once the round closes,
 `syncer.state`); a fold with a negative coefficient takes a contribution out again.
 
-Everything is numpy on the host, in float32 with norms in float64, a bounded chunk at a time:
+The sums are numpy on the host, in float32 with norms in float64, a bounded chunk at a time:
 one round costs one fragment-sized buffer. `FlatStep` then applies the outer optimizer (optax,
-compiled once per fragment) to the fragment as one flat vector in one fused pass.
+compiled once per fragment, on the host CPU) to the fragment as one flat vector in one fused
+pass.
 """
 
 from __future__ import annotations

@@ -80,6 +80,7 @@ def snapshot(
             "late": f.late,
             "duplicates": f.duplicates,
             "refused_merges": f.refused_merges,
+            "norm": f.norm(),  # (a merge replayed on restore meets the same bounds)
             "pending": pending,
         }
         published[p] = (f.version, f.values)
@@ -140,7 +141,7 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
             values = _arrays(saved["values"], f.specs, f"fragment {p}")
             flat = host.aligned_zeros(sum(v.size for v in values))
             np.concatenate([v.reshape(-1) for v in values], out=flat)
-            f.set_flat(flat)
+            f.set_flat(flat, info.get("norm"))
             f.opt_state = [
                 host.aligned_copy(x) if np.ndim(x) else np.asarray(x) for x in saved["opt"]
             ]

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from decoupled_diloco.core import accumulate
+
 
 def grace_window(
     step_s: float, quorum_s: float, sync_s: float, overlap_steps: int, safety: float, cap_s: float
@@ -157,7 +159,7 @@ class FragmentState:
       opt_state: the outer optimizer's state for it (`core.accumulate.FlatStep`'s leaves).
     """
 
-    def __init__(self, specs: list[Any], flat: np.ndarray, opt_state: list[np.ndarray]):
+    def __init__(self, specs: list[Any], flat: np.ndarray, opt_state: list[Any]):
         self.specs, self.opt_state = specs, opt_state
         self.set_flat(flat)
         self.version = 0
@@ -181,9 +183,11 @@ class FragmentState:
     def set_flat(self, flat: np.ndarray, norm: float | None = None) -> None:
         """Installs new global values (`values` become views of `flat`).
 
-        `norm`: ‖flat‖ where known (else `norm()` computes it when first asked).
+        `norm`: ‖flat‖ where known (a merge's, or a snapshot's record of it, so that a merge
+        replayed after a restart meets the bounds it met when it ran); else computed here
+        (float64 sums of chunks, as accurate as the merge's).
         """
-        self._norm = (flat, norm)
+        self._norm = accumulate.norm(flat) if norm is None else norm
         self.flat = flat
         if flat.size == 0:  # a fragment another shard owns: no values
             self.values = [flat] * len(self.specs)
@@ -231,16 +235,10 @@ class FragmentState:
     def norm(self) -> float:
         """‖Θ‖ of the installed values, the scale of the admission bounds (`syncer.admission`).
 
-        Computed once per installed vector (by the merge that made it, or here when first
-        asked); a reader outside the lock gets the norm of the vector installed when it asked.
+        Computed once per installed vector, by the merge that made it or by `set_flat`; a
+        reader outside the lock gets the norm of a vector that was installed.
         """
-        flat, norm = self._norm
-        if norm is None:
-            with np.errstate(over="ignore", invalid="ignore"):
-                total = float(np.dot(flat, flat)) if flat.size else 0.0
-            norm = math.sqrt(total) if math.isfinite(total) else math.inf
-            self._norm = (flat, norm) if self._norm[0] is flat else self._norm
-        return norm
+        return self._norm
 
     def end_round(self) -> None:
         """Forgets the open round (merged or dropped)."""
