@@ -359,6 +359,32 @@ def test_flat_step_is_optax_in_new_values_and_steps_its_state_in_place_unless_vi
         params = new
 
 
+def test_a_rounds_sums_on_the_host_device_become_the_new_values_memory():
+    """A round's sums that XLA owns (written through a numpy view) are donated to the outer
+    step, whose new values then take their memory: a close allocates no fragment-sized vector.
+    The result is the same as from numpy sums, and the round's view is gone once taken."""
+    from decoupled_diloco.core import host
+
+    size = 1000
+    tx = outer.make_outer_optimizer(0.7, 0.9, True)
+    step = accumulate.FlatStep(tx, size)
+    rng = np.random.default_rng(0)
+    deltas = [rng.standard_normal(n).astype(np.float32) for n in (600, 400)]
+    rounds = accumulate.RoundSum([600, 400], [True, False], step.device)
+    assert rounds.owned is not None
+    rounds.fold(deltas, 1.0)
+    rounds.finish()
+    where, sums = rounds.buffer.ctypes.data, rounds.buffer.copy()
+    taken = rounds.take()
+    assert rounds.buffer is None and rounds.owned is None
+    params = host.aligned_copy(rng.standard_normal(size).astype(np.float32))
+    new, _, step_sq, _ = step(params, step.init(), taken)
+    assert new.ctypes.data == where  # the sums' memory
+    want, _, want_sq, _ = step(params, step.init(), sums)  # numpy sums: left as they were
+    np.testing.assert_array_equal(new, want)
+    assert step_sq == want_sq and new.ctypes.data != want.ctypes.data
+
+
 def test_aligned_host_vectors_are_read_in_place_and_never_written_by_a_donated_step():
     """What `core.host` relies on: XLA's CPU client aliases an aligned numpy vector, and a
     step that donates the aliasing array leaves the numpy memory as it was (learners place

@@ -199,7 +199,8 @@ class FragmentMath:
         apart again when the round closes (a capped share is a correction to its fold).
         """
         if frag.round is None:
-            frag.round = accumulate.RoundSum([math.prod(s.shape) for s in self.specs], self.plain)
+            sizes = [math.prod(s.shape) for s in self.specs]
+            frag.round = accumulate.RoundSum(sizes, self.plain, self.step.device)
             frag.first_weight = pending.weight
         folded = [x.coef for x in frag.pending.values() if x.coef > 0]
         coef = pending.weight / frag.first_weight
@@ -246,9 +247,11 @@ class FragmentMath:
         members = max(live, len(pushes))
         fraction = len(pushes) / members if d.partial_merge == "share" else 1.0
         frag.round.finish(fraction, prescale)
-        # Θ' in a new vector; averaged state (batch statistics) is the weighted mean itself,
-        # Θ − mean(Θ − θ_m) (`FlatStep`'s `averaged`); ‖Θ' − Θ‖² from the same pass.
-        flat, opt_state, step_sq, flat_sq = self.step(frag.flat, frag.opt_state, frag.round.buffer)
+        # Θ' in the sums' memory (`RoundSum.take`), never over installed values; averaged
+        # state (batch statistics) is the weighted mean itself, Θ − mean(Θ − θ_m) (`FlatStep`'s
+        # `averaged`); ‖Θ' − Θ‖² and ‖Θ'‖² from the same pass.
+        sums = frag.round.take()
+        flat, opt_state, step_sq, flat_sq = self.step(frag.flat, frag.opt_state, sums)
         values, at = [], 0
         for spec in self.specs:
             n = math.prod(spec.shape)
