@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 COLLECTIVE_TIMEOUT_S = 3600
 # The repository's persistent compilation cache (the Makefile and the tests use it too).
 COMPILE_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "jax"
@@ -228,6 +230,25 @@ def _mallopt(option: int, value: int) -> None:
         ctypes.CDLL("libc.so.6").mallopt(option, value)
     except (OSError, AttributeError):
         pass
+
+
+def xla_host_vector(n: int, device: Any) -> tuple[Any, np.ndarray]:
+    """A zeroed float32 vector that XLA owns in host memory, and a writable numpy view of it.
+
+    For buffers that numpy fills and an XLA step then consumes by donation, writing its
+    output into the same memory (`core.accumulate.RoundSum`): XLA reuses only memory it
+    allocated itself. The view does not keep the array alive, and once the array is donated
+    or dropped the view must not be used again. `device` must be a CPU device (the memory is
+    the host's).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if device.platform != "cpu" or n <= 0:
+        raise ValueError(f"a host vector needs a CPU device and n > 0 (got {device}, {n})")
+    owned = jax.device_put(jnp.zeros(n, jnp.float32), device).block_until_ready()
+    memory = (ctypes.c_float * n).from_address(owned.unsafe_buffer_pointer())
+    return owned, np.ctypeslib.as_array(memory)
 
 
 def trim_memory() -> None:

@@ -363,6 +363,7 @@ def test_a_rounds_sums_on_the_host_device_become_the_new_values_memory():
     """A round's sums that XLA owns (written through a numpy view) are donated to the outer
     step, whose new values then take their memory: a close allocates no fragment-sized vector.
     The result is the same as from numpy sums, and the round's view is gone once taken."""
+    from decoupled_diloco import runtime
     from decoupled_diloco.core import host
 
     size = 1000
@@ -370,7 +371,8 @@ def test_a_rounds_sums_on_the_host_device_become_the_new_values_memory():
     step = accumulate.FlatStep(tx, size)
     rng = np.random.default_rng(0)
     deltas = [rng.standard_normal(n).astype(np.float32) for n in (600, 400)]
-    rounds = accumulate.RoundSum([600, 400], [True, False], step.device)
+    storage = runtime.xla_host_vector(size, step.device)
+    rounds = accumulate.RoundSum([600, 400], [True, False], storage)
     assert rounds.owned is not None
     rounds.fold(deltas, 1.0)
     rounds.finish()

@@ -21,7 +21,6 @@ pass.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -65,32 +64,37 @@ def axpy(y: np.ndarray, a: float, x: np.ndarray) -> None:
 class RoundSum:
     """The sums of one fragment's open round (see the module doc).
 
-    On the host CPU's JAX device (`device`) the sums live in an array XLA owns, written here
-    through a numpy view of its memory, so that the outer step can take that memory for the
-    new values (`take`, `FlatStep`): a close then needs no fragment-sized allocation. (XLA
-    does not write its outputs into memory it did not allocate; measured on one 114 MB
-    fragment, a fresh output's page faults alone took ~0.014 s.)
+    The sums may live in memory XLA owns on the host CPU (`storage`, from
+    `runtime.xla_host_vector`), written here through a numpy view of it, so that the outer step
+    can take that memory for the new values (`take`, `FlatStep`): a close then needs no
+    fragment-sized allocation. (XLA does not write its outputs into memory it did not
+    allocate; measured on one 114 MB fragment, a fresh output's page faults alone took
+    ~0.014 s.)
 
     Args:
       sizes: the number of values of each tensor of the fragment, in order.
       plain: per tensor, True for a mean tensor (embeddings, batch statistics, or every tensor
         with merge "mean"), False for an RDA one.
-      device: the host CPU's JAX device (`host_device`), or None: a numpy buffer.
+      storage: (an XLA-owned zero vector of the fragment's size, a writable numpy view of
+        it), or None: a numpy buffer of its own.
     """
 
     def __init__(
-        self, sizes: Sequence[int], plain: Sequence[bool], device: jax.Device | None = None
+        self,
+        sizes: Sequence[int],
+        plain: Sequence[bool],
+        storage: tuple[jax.Array, np.ndarray] | None = None,
     ):
         self.sizes, self.plain = list(sizes), list(plain)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         n = int(self.offsets[-1])
         self.owned: jax.Array | None = None
-        if device is not None and device.platform == "cpu" and n:
-            self.owned = jax.device_put(jnp.zeros(n, jnp.float32), device).block_until_ready()
-            memory = (ctypes.c_float * n).from_address(self.owned.unsafe_buffer_pointer())
-            self.buffer = np.ctypeslib.as_array(memory)  # (does not keep `owned` alive)
-        else:
+        if storage is None:
             self.buffer = aligned_zeros(n)
+        else:
+            self.owned, self.buffer = storage
+            if self.buffer.shape != (n,) or self.buffer.dtype != np.float32:
+                raise ValueError(f"storage of {self.buffer.shape} {self.buffer.dtype}: want ({n},)")
         self.norm_sum = np.zeros(len(self.sizes), np.float64)  # N_t of the RDA tensors
 
     def take(self) -> jax.Array | np.ndarray:

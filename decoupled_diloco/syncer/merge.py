@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from decoupled_diloco import runtime
 from decoupled_diloco.config import ExperimentConfig
 from decoupled_diloco.core import accumulate, host, outer
 from decoupled_diloco.core.fragments import TensorSpec
@@ -200,7 +201,10 @@ class FragmentMath:
         """
         if frag.round is None:
             sizes = [math.prod(s.shape) for s in self.specs]
-            frag.round = accumulate.RoundSum(sizes, self.plain, self.step.device)
+            device, n = self.step.device, sum(sizes)
+            # (on the host CPU the outer step takes the sums' memory for the new values)
+            storage = runtime.xla_host_vector(n, device) if device.platform == "cpu" else None
+            frag.round = accumulate.RoundSum(sizes, self.plain, storage)
             frag.first_weight = pending.weight
         folded = [x.coef for x in frag.pending.values() if x.coef > 0]
         coef = pending.weight / frag.first_weight
