@@ -223,6 +223,7 @@ class FlatStep:
 
         self._jit = jax.jit(step, donate_argnums=(1, 2))
         self._compiled = None
+        self._treedef = jax.tree.structure(tx.init({"flat": np.zeros(1, np.float32)}))
 
     def warm_up(self) -> None:
         """Compiles the step ahead of the first merge (from shapes: nothing is allocated)."""
@@ -259,7 +260,7 @@ class FlatStep:
 
     def treedef(self):  # noqa: ANN201 - a jax treedef
         """The structure of the optimizer's state (`init`'s leaves)."""
-        return jax.tree.structure(self.tx.init({"flat": np.zeros(1, np.float32)}))
+        return self._treedef
 
     def __call__(
         self, params: np.ndarray, state: Sequence[Any], grads: np.ndarray

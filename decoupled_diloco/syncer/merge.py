@@ -47,14 +47,13 @@ class Merged:
     """A closed round's result, not yet installed.
 
     Attributes:
-      values: the new values per tensor (views of `buffer`, in the fragment's shapes).
-      buffer: the flat vector that holds them (read-only: `FlatStep`'s output).
+      buffer: the new values as one flat vector (read-only: `FlatStep`'s output; installed
+        with `FragmentState.install`, which makes the per-tensor views).
       norm: ‖buffer‖ (the next admission bounds' scale, `FragmentState.norm`).
       opt_state: the outer optimizer state after the step (`FlatStep`'s leaves).
       weights: the pushes' raw token weights; `shares` what each counted for after the cap.
     """
 
-    values: list[np.ndarray]
     buffer: np.ndarray
     norm: float
     opt_state: list[Any]
@@ -118,7 +117,8 @@ class FragmentMath:
         rda = config.outer.merge == "rda"
         self.plain = [not rda or m or a for m, a in zip(mean_only, averaged, strict=True)]
         self.by_syncer = config.decoupled.stale_anchor == "syncer"
-        offsets = np.cumsum([0] + [math.prod(s.shape) for s in self.specs])
+        self.sizes = [math.prod(s.shape) for s in self.specs]
+        offsets = np.cumsum([0] + self.sizes)
         ranges = [(int(offsets[t]), int(offsets[t + 1])) for t, a in enumerate(averaged) if a]
         self.step = accumulate.FlatStep(tx, max(size, 1), ranges if size else ())
 
@@ -200,11 +200,10 @@ class FragmentMath:
         apart again when the round closes (a capped share is a correction to its fold).
         """
         if frag.round is None:
-            sizes = [math.prod(s.shape) for s in self.specs]
-            device, n = self.step.device, sum(sizes)
+            device, n = self.step.device, sum(self.sizes)
             # (on the host CPU the outer step takes the sums' memory for the new values)
             storage = runtime.xla_host_vector(n, device) if device.platform == "cpu" else None
-            frag.round = accumulate.RoundSum(sizes, self.plain, storage)
+            frag.round = accumulate.RoundSum(self.sizes, self.plain, storage)
             frag.first_weight = pending.weight
         folded = [x.coef for x in frag.pending.values() if x.coef > 0]
         coef = pending.weight / frag.first_weight
@@ -256,18 +255,13 @@ class FragmentMath:
         # `averaged`); ‖Θ' − Θ‖² and ‖Θ'‖² from the same pass.
         sums = frag.round.take()
         flat, opt_state, step_sq, flat_sq = self.step(frag.flat, frag.opt_state, sums)
-        values, at = [], 0
-        for spec in self.specs:
-            n = math.prod(spec.shape)
-            values.append(flat[at : at + n].reshape(spec.shape))
-            at += n
         # Averaged state (batch statistics) moves by the mean itself: rate 1, no momentum.
         lr = max(o.lr, 1.0 - o.momentum) if any(self.averaged) else o.lr
         bound = admission.merged_step_bound(
             frag.norm(), frag.flat.size, d.syncer.max_delta_norm, lr, o.momentum
         )
         error = admission.check_step(step_sq, bound)
-        return error or Merged(values, flat, math.sqrt(flat_sq), opt_state, raw, shares)
+        return error or Merged(flat, math.sqrt(flat_sq), opt_state, raw, shares)
 
 
 def initial_states(
