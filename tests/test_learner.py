@@ -281,6 +281,45 @@ def test_a_pause_between_leases_pushes_ordinary_pushes_whose_merges_become_ancho
         cluster.close()
 
 
+def test_a_pause_waits_for_a_round_trip_under_way_then_pushes_from_its_merge():
+    # Issue 22: at a pause, a fragment whose last push was accepted but whose merge is still
+    # coming back must not be pushed yet: anchored a round trip back, such pushes at the end
+    # of a learner behind a slow link passed `max_staleness` and each cost a pull and a
+    # second push. Learner 0's push of step 4 waits in a round that needs learner 1 (quorum
+    # 2); the pause after step 6 pushes nothing until that merge is back, then pushes steps
+    # 5-6 anchored at it.
+    config = _config(
+        inner_steps=4,
+        **{
+            "decoupled.fragments": 1,
+            "decoupled.quorum": 2,
+            "decoupled.overlap_steps": 1,  # (the steps since the push kept: `keep_overlap`)
+        },
+    )
+    cluster = _Cluster(config)
+    try:
+        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+        _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
+        _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's push")
+        _wait(lambda: zero.sync.jobs[0].answered_late is False, "its answer: accepted")
+        _steps(zero.sync, _shift(params0, -0.5), 2)  # steps 5-6, then the pause
+        assert not zero.sync.pause()
+        assert zero.sync.rounds[0] == 1 and zero.sync.steps_since[0] == 2
+        _steps(one.sync, _shift(params1, -0.25), 4)  # the round closes (version 1)
+        _wait(lambda: _ended(zero.sync), "learner 0's round trip")
+        assert not zero.sync.pause()  # the merge applied, then steps 5-6 pushed from it
+        assert zero.sync.versions[0] == 1 and zero.sync.rounds[0] == 2
+        _wait(lambda: 0 in cluster.fragment(0).pending, "the pause's push")
+        pending = cluster.fragment(0).pending[0]
+        assert (pending.steps, pending.base_version) == (2, 1)
+        for delta in cluster.server.state.pending_gradient(0, 0):
+            np.testing.assert_allclose(delta, 0.25, rtol=1e-5)
+        _wait(zero.sync.pause, "the pause settled: its push answered")
+        assert zero.sync.pushes["late"] == 0
+    finally:
+        cluster.close()
+
+
 def _late_config(overlap):
     """One fragment, quorum 1, leases of 32 batches, plain averaging; any stale push late."""
     return _config(

@@ -189,6 +189,10 @@ def pause(link: DecoupledSync, params: Any) -> bool:
     since is pushed as ordinary pushes, whose merges come back as anchors; settled once none
     is left to push or crossing, so that the syncer hands the learner back none of the batches
     it still holds. Accepted pushes' merges are not waited for: their data is the syncer's.
+    A fragment with steps to push whose round trip is still under way (its merge coming back)
+    waits for it, as a due fragment is held (`push_due`): pushed at once, it would be anchored
+    a round trip further back, and behind a slow link such pushes at a learner's end passed
+    `max_staleness` and cost a pull and a second push each (issue 22).
     The link's next `apply_arrivals` returns the parameters the merges made. A multi-process
     island (no `rebases`: its processes push together) flushes once and waits for delivery.
     """
@@ -203,11 +207,12 @@ def pause(link: DecoupledSync, params: Any) -> bool:
         ready = link.inbox.take_ready(sys.maxsize)
         params = link._initial = link._last = link._merge(params, ready)
     drop_covered(link, params)
-    pushed = [p for p in range(len(link.cut)) if link.steps_since[p]]
+    trained = [p for p in range(len(link.cut)) if link.steps_since[p]]
+    pushed = [p for p in trained if not link._under_way(p)]
     for p in pushed:
         link.held.discard(p)
         link._launch(params, p)
-    return not pushed and link.outbox.unsent() == 0
+    return not trained and link.outbox.unsent() == 0
 
 
 def crossing(link: DecoupledSync, p: int) -> bool:
