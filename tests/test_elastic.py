@@ -528,3 +528,46 @@ def test_a_learner_says_it_has_flushed_only_once_its_pushes_are_delivered():
     )  # fmt: skip
     assert [where for _, where in batches] == [[[0, 0, 1]], [[0, 1, 2]]]
     assert asked == [False, False, False, False, True]
+
+
+def test_a_single_process_learner_settles_its_pause_without_a_lease_call_per_poll():
+    # Issue 22: behind a slow link a lease call waits seconds behind the push data, and each
+    # step of a pause (a round trip ended: its fragment pushed) used to wait for one. With
+    # `settle_s` the pause is polled between two asks until it settles.
+    import itertools
+    import threading
+
+    from decoupled_diloco.learner import leases
+    from decoupled_diloco.syncer.ledger import Grant
+
+    class Data:
+        def train_iterator(self, batch_size, lease, shards, seed):
+            return itertools.count()
+
+    grants = iter([Grant("granted", 0, 0, 1, 1), Grant("wait"), Grant("wait")])
+    asked, polls = [], []
+
+    def ask(flushed):
+        asked.append((flushed, len(polls)))
+        return next(grants, Grant("done"))
+
+    def on_idle():
+        polls.append(None)
+        return len(polls) == 3  # settled at the third poll
+
+    batches = leases.leased_batches(
+        Data(), 1, 0, ask, lambda grant: None, on_idle, threading.Event(), poll_s=0.0,
+        ahead=False, settle_s=60.0,
+    )  # fmt: skip
+    assert [where for _, where in batches] == [[[0, 0, 1]]]
+    # Asked for the first lease, then "wait" (no poll yet): three polls, no ask between them.
+    assert asked == [(False, 0), (False, 0), (True, 3), (True, 3)]
+    # A pause that does not settle within `settle_s` lets the learner ask again.
+    grants = iter([Grant("wait"), Grant("wait")])
+    asked, polls = [], []
+    batches = leases.leased_batches(
+        Data(), 1, 0, ask, lambda grant: None, lambda: polls.append(None) or False,
+        threading.Event(), poll_s=0.0, ahead=False, settle_s=0.05,
+    )  # fmt: skip
+    assert list(batches) == []
+    assert [flushed for flushed, _ in asked] == [False, False, False] and len(polls) >= 2

@@ -176,6 +176,31 @@ def test_a_decoupled_link_that_is_behind_flushes_the_pushes_in_flight():
     assert utilisation(plan, "decoupled", 0.064) == pytest.approx(want)
 
 
+def test_one_fragments_round_trip_bounds_its_sync_interval_and_the_end_waits_for_it():
+    """P = 1: the push and the merge back follow each other, and nothing else uses the link
+    meanwhile: the round trip must fit in H steps to keep up, and a learner's last push waits
+    for the trip under way (issue 22: measured at the scaled 2 Gbit/s, the old planner's
+    P c_p alone put the interval at 96 steps where a trip took ~200)."""
+    from decoupled_diloco.sim.bandwidth import LinkPlan, sync_interval_steps, utilisation
+
+    # By hand, 1e6 parameters at 8 bits both ways, 1 s steps, H = 10, P = 1, at 1 Mbit/s:
+    # push 8 s, merge back 8 s: a 16 s trip > H t = 10 s, each sync every 16 steps.
+    base = {"params": 1e6, "step_time_s": 1.0, "inner_steps": 10, "bits": 8, "fragments": 1}
+    plan = LinkPlan(**base)
+    assert sync_interval_steps(plan, 1e-3) == pytest.approx(16.0)
+    # Keeping up needs the 16 Mbit of a trip in 10 s (P c_p alone: 8 Mbit).
+    assert pb.plan(plan)["decoupled"]["gbps_to_keep_up"] == pytest.approx(1.6e-3)
+    # 20 steps: the final push (8 s) waits for the trip under way: always one (cycle = trip),
+    # half of it left on average (8 s), more than the push in flight (0.8 * 8 s).
+    assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 1e-3) == pytest.approx(
+        20 / (20 + 8 + 8)
+    )
+    # P = 2 at the same link: the other fragment's push fills the uplink during a merge back;
+    # each fragment's 8 s trip fits in H t, the 2 pushes (8 s) too: it keeps up.
+    two = LinkPlan(**{**base, "fragments": 2})
+    assert sync_interval_steps(two, 1e-3) == 10.0
+
+
 def test_the_planners_flush_bound_is_the_configs():
     syncer = config_lib.SyncerConfig()
     assert LinkPlan().flush_timeout_s == 2 * syncer.rpc_timeout_s

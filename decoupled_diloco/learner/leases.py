@@ -8,7 +8,10 @@ end costs no step). Every batch comes with where it is from
 that other live learners hold are not covered yet, the learner pushes everything it trained
 (`on_idle`, polled until its work is settled: `DecoupledSync.pause`) and asks again every
 `poll_s`: a learner that dies meanwhile
-leaves its lease to it. It stops when the syncer says the whole budget is covered.
+leaves its lease to it. A single-process learner polls its pause between two asks for up to
+`settle_s`, without calling the syncer: behind a slow link a lease call waits seconds behind
+the push data, and each step of the pause (a round trip ended, its fragment pushed) waited
+for one. It stops when the syncer says the whole budget is covered.
 
 Without leases (static shards), learner i trains its shard i of M for `train_steps` steps.
 """
@@ -16,6 +19,7 @@ Without leases (static shards), learner i trains its shard i of M for `train_ste
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -27,6 +31,7 @@ Batch = Any
 # Where a step's data is from: [[lease, begin, end), ...] ledger units (`syncer.ledger`), or
 # None (static shards).
 Where = list[list[int]] | None
+_SETTLE_POLL_S = 0.02  # between two polls of a pause that has not settled (`settle_s`)
 
 
 def leased_batches(
@@ -41,6 +46,7 @@ def leased_batches(
     log: Callable[[str], None] = print,
     ahead: bool = True,
     units_per_step: Callable[[], int] = lambda: 1,
+    settle_s: float = 0.0,
 ) -> Iterator[tuple[Batch, Where]]:
     """Steps' batches from the leases the syncer hands out, each with its data ranges.
 
@@ -69,6 +75,9 @@ def leased_batches(
         a lease's end does not stop training (a learner holds at most two leases). A
         multi-process island, whose processes must ask together, asks at the lease's end.
       units_per_step: how many units the next step trains (`config.units_per_step`).
+      settle_s: while no lease is free, how long `on_idle` is polled between two asks until
+        it says settled (0: once per ask, as the processes of a multi-process island poll
+        together).
     """
     flushed = False
     pool = futures.ThreadPoolExecutor(1, thread_name_prefix="lease-ahead") if ahead else None
@@ -101,7 +110,7 @@ def leased_batches(
                 flushed = False
             elif grant.status == "wait":
                 if not flushed:
-                    flushed = on_idle()
+                    flushed = _settle(on_idle, stop, settle_s)
                 stop.wait(poll_s)
             elif grant.status == "done":
                 return
@@ -114,6 +123,15 @@ def leased_batches(
     finally:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(on_idle: Callable[[], bool], stop: threading.Event, settle_s: float) -> bool:
+    """Polls `on_idle` until it says settled, for up to `settle_s` (once at least)."""
+    deadline = time.monotonic() + settle_s
+    while not on_idle():
+        if time.monotonic() >= deadline or stop.wait(_SETTLE_POLL_S):
+            return False
+    return True
 
 
 def _concatenate(units: list[Batch]) -> Batch:

@@ -106,6 +106,7 @@ class Learner:
 
     sync_class = DecoupledSync  # a multi-process island's replaces its device<->host hooks
     lease_ahead = True  # ask for the next lease in a thread (`leases.leased_batches`)
+    settle_s = 30.0  # poll a pause this long between lease calls (`leases.leased_batches`)
 
     def _make_sync(self, client: Any, **extra: Any) -> DecoupledSync:
         """This learner's link (`extra`: more arguments of `sync_class`)."""
@@ -250,6 +251,7 @@ class Learner:
                 self.leaving,
                 log=lambda line: print(f"[learner {self.id}] {line}", flush=True),
                 ahead=self.lease_ahead,
+                settle_s=self.settle_s,
                 units_per_step=lambda: per_step(self.sync.live or c.num_learners),
             )
         else:

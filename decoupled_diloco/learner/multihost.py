@@ -311,6 +311,7 @@ class MultihostLearner(Learner):
 
     sync_class = MultihostSync
     lease_ahead = False  # its processes ask together (a broadcast), at each lease's end
+    settle_s = 0.0  # and poll their pause once per ask, together
 
     def _make_sync(self, client: Any, **extra: Any) -> MultihostSync:
         return super()._make_sync(client, group=self.group, **extra)

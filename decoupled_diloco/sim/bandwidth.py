@@ -33,8 +33,11 @@ The model (a closed form, not a simulation) and every assumption it makes:
   `streaming`, but the learner never waits for them: a fragment due while its last round trip is
   under way is held (the learner steps on) and pushed with every step since when the trip ends;
   merges are applied when they arrive. A long run's utilisation is 1; what a slow link costs is
-  staleness, each fragment synced every `sync_interval_steps = max(H, P * c_p / t)` steps
-  instead of H. (Measured behind kernel rate
+  staleness, each fragment synced every `sync_interval_steps = max(H, P * c_p / t, trip / t)`
+  steps instead of H, where a fragment's round trip `trip` is its push and then its merge back
+  (`latency_s` and N/P parameters at `bits`, then at `down_bits`: with P = 1 the legs cannot
+  overlap other fragments' and a link must carry twice the model's bits per H steps to keep
+  up). (Measured behind kernel rate
   limits, tools/bench_wan.py: 0.997-1.000 without the final flush at every scaled rate, where
   `streaming`'s wait predicted 0.88 at the slowest; that is why this mode exists.)
 * A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
@@ -43,9 +46,12 @@ The model (a closed form, not a simulation) and every assumption it makes:
   fragment in flight at the end shares the link with it (`min(P c_p / (H t), 1) * c_p`, the
   share of time the link is busy times one transfer); on a link that is behind
   (P c_p > H t) every fragment's push is in flight at the end, half sent on average
-  (`min(P c_p / (H t), max(1, P / 2)) * c_p`); the flush waits at most `flush_timeout_s` (on data
-  leases the end is the pause at the learner's last lease, which waits for every push to be
-  answered, with no bound: plan it with `flush_timeout_s` = 0). (Behind
+  (`min(P c_p / (H t), max(1, P / 2)) * c_p`); a fragment is pushed once its round trip has
+  ended, which adds what is left of a trip under way where that is longer (`trip / cycle *
+  trip / 2`, cycle = max(H t, P c_p, trip): the P = 1 case); the flush waits at most
+  `flush_timeout_s` (on data leases the end is the pause at the learner's last lease, which
+  waits for every push to be answered, with no bound: plan it with `flush_timeout_s` = 0).
+  (Behind
   kernel rate limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it
   and nothing else.) The initial pull of the global parameters happens before the first step and
   is not counted.
@@ -159,6 +165,15 @@ def _transfer_s(args: LinkPlan, params: float, bits: float, gbps: float) -> floa
     return args.latency_s + wire / (gbps * 1e9)
 
 
+def _trip_s(args: LinkPlan, gbps: float) -> float:
+    """Seconds of one fragment's round trip in decoupled mode: its push, then its merge back.
+
+    The two legs follow each other (the merge needs the push), each in its own direction.
+    """
+    bits = args.bits + (args.down_bits or args.bits)
+    return 2 * args.latency_s + args.params / args.fragments * bits / (gbps * 1e9)
+
+
 def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
     """Fraction of wall-clock time spent computing, for `mode` on a `gbps` Gbit/s link."""
     _positive("bandwidth", gbps)
@@ -194,9 +209,14 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
         # The final pushes share the link with the fragment in flight, if any: the link is
         # busy a share P c_p / (H t) of the time. Behind (demand > 1), every fragment's push
         # is under way (held pushes never queue: one round trip per fragment), half sent on
-        # average. The learner gives up after `flush_timeout_s`.
+        # average. And a fragment is pushed only once its round trip has ended (its merge
+        # back): a trip takes a share trip / cycle of each fragment's cycle, half of it left
+        # on average; with P = 1 nothing else uses the uplink meanwhile. The learner gives
+        # up after `flush_timeout_s`.
         demand = p * c / (h * t)
-        in_flight = min(demand, max(1.0, p / 2)) * c
+        trip = _trip_s(args, gbps)
+        cycle = max(h * t, p * c, trip)
+        in_flight = max(min(demand, max(1.0, p / 2)) * c, trip / cycle * trip / 2)
         flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + in_flight
         if args.flush_timeout_s:
             flush = min(flush, args.flush_timeout_s)
@@ -205,18 +225,24 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
 
 
 def sync_interval_steps(args: LinkPlan, gbps: float) -> float:
-    """Steps between a fragment's syncs in decoupled mode: H, or longer when the link is behind."""
+    """Steps between a fragment's syncs in decoupled mode: H, or longer when the link is behind.
+
+    Behind, either the P fragments' pushes do not fit in H steps (P c_p > H t), or one
+    fragment's round trip, its push then its merge back, does not (the bound for P = 1).
+    """
     _positive("bandwidth", gbps)
     c = _transfer_s(args, args.params / args.fragments, args.bits, gbps)
-    return max(float(args.inner_steps), args.fragments * c / args.step_time_s)
+    slowest = max(args.fragments * c, _trip_s(args, gbps))
+    return max(float(args.inner_steps), slowest / args.step_time_s)
 
 
 def bandwidth_to_keep_up(args: LinkPlan) -> float:
     """Smallest bandwidth (Gbit/s) at which decoupled syncs every H steps; inf when none does."""
-    p = args.fragments
-    wire = (_transfer_s(args, args.params / p, args.bits, 1.0) - args.latency_s) * 1e9
-    room = args.inner_steps * args.step_time_s - p * args.latency_s
-    return p * wire / room / 1e9 if room > 0 else math.inf
+    p, ht = args.fragments, args.inner_steps * args.step_time_s
+    pushes = p * (_transfer_s(args, args.params / p, args.bits, 1.0) - args.latency_s)
+    trip = _trip_s(args, 1.0) - 2 * args.latency_s
+    needs = [(pushes, ht - p * args.latency_s), (trip, ht - 2 * args.latency_s)]
+    return max(wire / room if room > 0 else math.inf for wire, room in needs)
 
 
 def bandwidth_for(args: LinkPlan, mode: str, target: float) -> float:
