@@ -320,6 +320,30 @@ def test_a_pause_waits_for_a_round_trip_under_way_then_pushes_from_its_merge():
         cluster.close()
 
 
+def test_a_pause_pushes_a_fragment_whose_round_trip_is_still_under_way_after_rpc_timeout_s():
+    # Behind a link far below what the run needs pulls can take many minutes: the pause then
+    # stops waiting for the trip after `rpc_timeout_s` and pushes the fragment as it is. Here
+    # learner 0's first push still waits in its round (quorum 2), so the syncer takes the
+    # pause's push in its place: 4 + 2 steps.
+    config = _config(
+        inner_steps=4,
+        **{"decoupled.fragments": 1, "decoupled.quorum": 2, "decoupled.overlap_steps": 1},
+    )
+    cluster = _Cluster(config)
+    try:
+        (zero, params0), _ = cluster.join(0), cluster.join(1)
+        _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
+        _wait(lambda: zero.sync.jobs[0].answered_late is False, "its answer: accepted")
+        _steps(zero.sync, _shift(params0, -0.5), 2)
+        assert not zero.sync.pause() and zero.sync.rounds[0] == 1  # waits for the trip
+        zero.sync.paused_at -= config.decoupled.syncer.rpc_timeout_s  # (its time is up)
+        assert not zero.sync.pause() and zero.sync.rounds[0] == 2  # pushed as it is
+        _wait(lambda: cluster.fragment(0).pending[0].steps == 6, "the push in its place")
+        assert cluster.fragment(0).pending[0].base_version == 0
+    finally:
+        cluster.close()
+
+
 def _late_config(overlap):
     """One fragment, quorum 1, leases of 32 batches, plain averaging; any stale push late."""
     return _config(

@@ -159,6 +159,7 @@ class DecoupledSync:
         self.held: set[int] = set()
         self.deferred = 0
         self.rebased = 0  # late pushes whose work went with a later push (`push.rebase`)
+        self.paused_at: float | None = None  # the current pause's first poll (`push.pause`)
         # keep_overlap: per fragment, a device copy of θ at its last push.
         self.at_push: dict[int, list[jax.Array]] = {}
         self.inbox = Inbox()
@@ -364,6 +365,7 @@ class DecoupledSync:
         if isinstance(data, tuple):  # one unit
             data = [[data[0], data[1], data[1] + 1]]
         ranges = data or []
+        self.paused_at = None
         self.step += 1
         self.tokens += tokens
         self._last = params

@@ -191,8 +191,11 @@ def pause(link: DecoupledSync, params: Any) -> bool:
     it still holds. Accepted pushes' merges are not waited for: their data is the syncer's.
     A fragment with steps to push whose round trip is still under way (its merge coming back)
     waits for it, as a due fragment is held (`push_due`): pushed at once, it would be anchored
-    a round trip further back, and behind a slow link such pushes at a learner's end passed
-    `max_staleness` and cost a pull and a second push each (issue 22).
+    a round trip further back (its outer gradient holding the push under way's steps again),
+    and behind a slow link such pushes at a learner's end passed `max_staleness` and cost a
+    pull and a second push each (issue 22). For `rpc_timeout_s` from the pause's first poll:
+    on a link far below what the run needs pulls can take many minutes (measured at the
+    scaled 0.5 Gbit/s uncompressed), and then the fragment goes as it is.
     The link's next `apply_arrivals` returns the parameters the merges made. A multi-process
     island (no `rebases`: its processes push together) flushes once and waits for delivery.
     """
@@ -200,6 +203,8 @@ def pause(link: DecoupledSync, params: Any) -> bool:
         if any(link.steps_since):
             flush(link, params, final=False)
         return link.outbox.unsent() == 0
+    if link.paused_at is None:
+        link.paused_at = time.monotonic()
     # (Crossing first: a trip puts its merge in the inbox before it ends.)
     if any(crossing(link, p) for p in range(len(link.cut))):
         return False
@@ -207,8 +212,9 @@ def pause(link: DecoupledSync, params: Any) -> bool:
         ready = link.inbox.take_ready(sys.maxsize)
         params = link._initial = link._last = link._merge(params, ready)
     drop_covered(link, params)
+    waits = time.monotonic() - link.paused_at < link.config.decoupled.syncer.rpc_timeout_s
     trained = [p for p in range(len(link.cut)) if link.steps_since[p]]
-    pushed = [p for p in trained if not link._under_way(p)]
+    pushed = [p for p in trained if not (waits and link._under_way(p))]
     for p in pushed:
         link.held.discard(p)
         link._launch(params, p)
