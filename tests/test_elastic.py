@@ -75,6 +75,27 @@ def test_the_report_counts_windows_missing_and_repeated_per_fragment():
     }  # fmt: skip
 
 
+def test_a_ledger_snapshot_holds_its_state_as_of_the_call_and_a_replay_counts_once():
+    # The syncer writes a snapshot after letting go of its lock; changes made meanwhile are
+    # in the write-ahead log after the snapshot's seq, and a restore replays them. Were they
+    # in the snapshot too, a replayed merge would count its batches twice (seen in CI: a
+    # syncer killed during a merge, `repeated` 48 windows).
+    ledger = Ledger(total_batches=8, shards=2, num_fragments=2, batch_size=4)
+    ledger.grant(0, {0, 1}, False, [[], []])
+    ledger.record_merge(0, [[0, 0, 2]])
+    saved = ledger.to_json()
+    as_of_the_call = json.dumps(saved)
+    ledger.record_merge(0, [[0, 2, 3]])  # after the snapshot: in the log only
+    ledger.grant(1, {0, 1}, False, [[], []])
+    assert json.dumps(saved) == as_of_the_call
+    restored = Ledger(total_batches=8, shards=2, num_fragments=2, batch_size=4)
+    restored.load(json.loads(as_of_the_call))
+    restored.record_merge(0, [[0, 2, 3]])  # the log's replay
+    restored.take(1, 1)
+    assert restored.report() == ledger.report()
+    assert restored.report()["repeated"] == 0
+
+
 def test_a_flushed_learner_gets_its_own_hole_back_and_the_run_ends_when_all_is_covered():
     ledger = Ledger(total_batches=4, shards=1, num_fragments=1, batch_size=1)
     assert ledger.grant(0, {0}, False, [[]]).lease == 0

@@ -30,6 +30,7 @@ state goes into the syncer's snapshots (`to_json`) and every grant into the writ
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
@@ -310,14 +311,21 @@ class Ledger:
         }
 
     def to_json(self) -> dict[str, Any]:
-        """The ledger's state for a snapshot."""
-        return {
-            "lengths": self.lengths,
-            "holder": self.holder,
-            "grants": self.grants,
-            "held_by": self.held_by,
-            "merged": self.merged,
-        }
+        """The ledger's state for a snapshot: a copy, as of the call.
+
+        A copy because the snapshot is written after the state lock is let go: with the lists
+        themselves, a merge recorded meanwhile went into the snapshot too, and the write-ahead
+        log's replay of that merge then counted its batches twice (`repeated`).
+        """
+        return copy.deepcopy(
+            {
+                "lengths": self.lengths,
+                "holder": self.holder,
+                "grants": self.grants,
+                "held_by": self.held_by,
+                "merged": self.merged,
+            }
+        )
 
     def load(self, saved: dict[str, Any]) -> None:
         """Takes back a snapshot's state (`to_json`).
