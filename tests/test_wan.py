@@ -315,6 +315,73 @@ def test_a_transfer_longer_than_the_rpc_deadline_arrives_and_a_stalled_one_is_cu
         server.stop(0)
 
 
+class _HeldArray:
+    """A lazy outer-gradient tensor (`wire.chunk_arrays`) whose bytes wait for `release`."""
+
+    def __init__(self, values, release):
+        self.values, self.release, self.nbytes = values, release, values.nbytes
+        self.read = threading.Event()
+
+    def le_bytes(self, start, stop):
+        self.read.set()
+        assert self.release.wait(60), "never released"
+        return self.values.reshape(-1).view("u1")[start:stop].tobytes()
+
+
+@pytest.mark.parametrize("transfers", [1, 0])
+def test_a_learners_pushes_cross_its_data_connection_one_at_a_time(transfers):
+    # Fragment 0's push is held mid-stream; fragment 1's, called meanwhile from another thread,
+    # starts streaming only once fragment 0's is answered (`max_transfers` = 1, the default).
+    # With no bound (0) it streams beside it: behind a slow link gRPC split the connection so
+    # unevenly that streams stalled past the idle bounds (benchmarks/results/wan.md).
+    from decoupled_diloco.comm.client import SyncerClient
+    from decoupled_diloco.syncer.server import SyncerServer
+    from tests.conftest import tiny_config
+
+    config = tiny_config(mode="decoupled", **{
+        "decoupled.fragments": 2, "decoupled.syncer.max_transfers": transfers,
+        "decoupled.syncer.max_grace_s": 0.0,
+    })  # fmt: skip
+    server = SyncerServer(config, host="127.0.0.1", port=0, token="t").start()
+    client = SyncerClient(f"127.0.0.1:{server.port}", config.decoupled.syncer, "t")
+    released, order = [threading.Event(), threading.Event()], []
+    try:
+        client.register(0, server.fingerprint)
+        held = [
+            [_HeldArray(v * 0, released[p]) for v in server.state.fragments[p].values]
+            for p in (0, 1)
+        ]
+
+        def push(p):
+            reply = client.push(
+                learner_id=0, fragment=p, round=0, base_version=0, steps=1, tokens=1,
+                specs=server.state.fragments[p].specs, arrays=held[p], retries=0,
+            )  # fmt: skip
+            order.append(("answered", p, reply.accepted))
+
+        threads = [threading.Thread(target=push, args=(p,)) for p in (0, 1)]
+        threads[0].start()
+        assert held[0][0].read.wait(30)  # fragment 0 streams (and waits)
+        threads[1].start()
+        released[1].set()  # fragment 1 could stream at once
+        # Waits for fragment 1's stream to start (no bound: it does) or 3 s (one at a time).
+        order.append(("1 streamed while 0 was held", held[1][0].read.wait(3.0)))
+        released[0].set()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        overlapped = order[0] == ("1 streamed while 0 was held", True)
+        assert overlapped == (transfers == 0), order
+        assert sorted(x for x in order if x[0] == "answered") == [
+            ("answered", 0, True), ("answered", 1, True)
+        ]  # fmt: skip
+    finally:
+        for event in released:
+            event.set()
+        client.close()
+        server.stop(0)
+
+
 def _taken(total_chunks, buffered, chunk, rate):
     """(time, bytes) as gRPC takes a push's chunks: `buffered` at once, then at the link's pace."""
     marks, t = [], 0.0

@@ -10,6 +10,7 @@ where the link's rate is known, `decoupled.wan_mbit`), and a stalled transfer st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -59,6 +60,7 @@ class _Watch:
     def __init__(self, idle_s: float, first_s: float = 0.0):
         self.idle_s = idle_s
         self._deadline = time.monotonic() + idle_s + first_s  # (one attribute: no torn reads)
+        self._end = math.inf  # (`limit`)
         self.stalled, self._done = False, threading.Event()
         self._marks: list[tuple[float, int]] = []  # (time, bytes gRPC had taken by then)
 
@@ -68,6 +70,14 @@ class _Watch:
 
     def moved(self) -> None:
         self._deadline = time.monotonic() + self.idle_s
+
+    def hold(self) -> None:
+        """Stops counting idle time (the call waits for its turn, `SyncerClient` gates)."""
+        self._deadline = math.inf
+
+    def limit(self, seconds: float) -> None:
+        """Cancels the call `seconds` from now, moving or not (a deadline set mid-call)."""
+        self._end = time.monotonic() + seconds
 
     def handed(self, nbytes: int) -> None:
         """Records that gRPC took a chunk of `nbytes` (it asks for the next once one is sent)."""
@@ -89,7 +99,7 @@ class _Watch:
 
     def _run(self, call: Any) -> None:
         while not self._done.wait(min(1.0, self.idle_s / 4)):
-            if time.monotonic() > self._deadline:
+            if time.monotonic() > min(self._deadline, self._end):
                 self.stalled = True
                 call.cancel()
                 return
@@ -122,6 +132,16 @@ def queued_s(marks: list[tuple[float, int]], now: float) -> float | None:
         return None
     rate = min(paced)
     return max(marks[-1][1] - rate * (now - marks[0][0]), 0.0) / rate
+
+
+@contextlib.contextmanager
+def _turn(gate: threading.BoundedSemaphore | None) -> Iterator[None]:
+    """Holds one of `gate`'s places (None: no bound) for a transfer."""
+    if gate is None:
+        yield
+        return
+    with gate:
+        yield
 
 
 def transfer_deadline_s(nbytes: int, config: SyncerConfig, wait_s: float = 0.0) -> float:
@@ -175,6 +195,11 @@ class SyncerClient:
         )
         self.metadata = ((wire.TOKEN_HEADER, token or wire.run_token(config)),)
         self.retries_done = 0
+        # At most `max_transfers` pushes, and as many pulls' bodies, cross the data connection
+        # at once (`SyncerConfig.max_transfers`); None: no bound.
+        n = config.max_transfers
+        self._uploads = threading.BoundedSemaphore(n) if n else None
+        self._downloads = threading.BoundedSemaphore(n) if n else None
         # Per learner id, the incarnation its last registration got (stamped on its pushes).
         self.incarnations: dict[int, int] = {}
         # Traffic of the data calls (encoded chunk bytes, headers included), all threads
@@ -318,6 +343,10 @@ class SyncerClient:
         deadline = transfer_deadline_s(header.total_bytes, self.config)
 
         def call() -> pb.PushReply:
+            with _turn(self._uploads):  # (the stream starts, and its deadline, with its turn)
+                return attempt()
+
+        def attempt() -> pb.PushReply:
             watch = _Watch(idle_s)
 
             def watched() -> Iterator[bytes]:
@@ -372,6 +401,8 @@ class SyncerClient:
         # Without a copy its size is not known here: the watch alone bounds it.
         known = sum(np.asarray(a).nbytes for a in have[1]) if have is not None else 0
         deadline = transfer_deadline_s(known, self.config, wait_s) if known else None
+        if self._downloads is not None:  # the body's deadline starts with its turn: `receive`
+            deadline = None
 
         def call() -> tuple[int, list[np.ndarray]]:
             watch = _Watch(idle_s, first_s=wait_s)
@@ -412,15 +443,22 @@ class SyncerClient:
             if at > expected:
                 raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
             payload[:at] = first.data
-            for raw in stream:
+            # The body waits for its turn (its idle time not counted meanwhile: gRPC holds a
+            # flow-control window of it, then the syncer waits), and is bounded from then.
+            watch.hold()
+            with _turn(self._downloads):
                 watch.moved()
-                self._count(received=len(raw))
-                view = wire.parse_data_chunk(wire.PULL_DATA_TAG, raw)
-                data = view if view is not None else pb.FragmentChunk.FromString(raw).data
-                if at + len(data) > expected:
-                    raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
-                payload[at : at + len(data)] = data
-                at += len(data)
+                if self._downloads is not None:
+                    watch.limit(transfer_deadline_s(expected, self.config))
+                for raw in stream:
+                    watch.moved()
+                    self._count(received=len(raw))
+                    view = wire.parse_data_chunk(wire.PULL_DATA_TAG, raw)
+                    data = view if view is not None else pb.FragmentChunk.FromString(raw).data
+                    if at + len(data) > expected:
+                        raise wire.PayloadError(f"fragment {fragment}: more than {expected} bytes")
+                    payload[at : at + len(data)] = data
+                    at += len(data)
             # The syncer validated every push and merges finite values: no second scan here.
             values = wire.decode_payload(payload[:at], first.tensors, specs, False)
             if first.delta:

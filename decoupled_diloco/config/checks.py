@@ -132,6 +132,11 @@ def _validate_decoupled(c: ExperimentConfig) -> None:
     )
     _check(s.snapshot_s >= 0, "decoupled.syncer.snapshot_s", "must be >= 0")
     _check(s.max_unsent >= 1, "decoupled.syncer.max_unsent", f"must be >= 1, got {s.max_unsent}")
+    _check(
+        s.max_transfers >= 0,
+        "decoupled.syncer.max_transfers",
+        f"must be >= 0 (0: no bound), got {s.max_transfers}",
+    )
     _check(s.max_delta_norm > 0, "decoupled.syncer.max_delta_norm", "must be > 0")
     _check(
         0 < s.max_weight_share <= 1,

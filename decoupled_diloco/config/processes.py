@@ -56,6 +56,12 @@ class SyncerConfig:
         cost link time.
       max_streams_per_learner: data calls one learner may hold open (0: what its link opens at
         most, fragments · (max_unsent + 1) + 2).
+      max_transfers: a learner's pushes, and bodies of its pulls, that cross its data
+        connection at once, each way (0: no bound). They share one TCP connection, so more at
+        once only split its rate; and behind a slow link gRPC split it so unevenly that one
+        of 4 pulls at 0.14 Mbit/s moved nothing for 31 s (4 pushes: gRPC's pings timed out
+        behind them), past the bounds that cut a stalled stream; one at a time, at most 8 s
+        (benchmarks/results/wan.md, "One transfer at a time").
       stream_idle_s: a push stream that moves nothing this long is cut (a pull: see
         `min_pull_bytes_per_s`).
       min_pull_bytes_per_s: a pull's reply is cut once it has taken `stream_idle_s` plus its
@@ -86,6 +92,7 @@ class SyncerConfig:
     max_weight_share: float = 0.8
     max_inflight_bytes: int = 0
     max_streams_per_learner: int = 0
+    max_transfers: int = 1
     stream_idle_s: float = 30.0
     min_pull_bytes_per_s: float = 8192.0
     durable: bool = True
