@@ -344,6 +344,35 @@ def test_a_pause_pushes_a_fragment_whose_round_trip_is_still_under_way_after_rpc
         cluster.close()
 
 
+def test_the_final_flush_lets_a_round_trip_under_way_end_and_pushes_from_its_merge():
+    # As a pause does (above), the run's final flush holds a fragment whose last push was
+    # accepted but whose merge is still coming back: pushed at once, its outer gradient would
+    # hold that push's 4 steps again, counted twice once both are merged.
+    config = _config(
+        inner_steps=4,
+        **{"decoupled.fragments": 1, "decoupled.quorum": 2, "decoupled.overlap_steps": 1},
+    )
+    cluster = _Cluster(config)
+    try:
+        (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
+        _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
+        _wait(lambda: zero.sync.jobs[0].answered_late is False, "its answer: accepted")
+        _steps(zero.sync, _shift(params0, -0.5), 2)  # steps 5-6, then the run's end
+        flushing = threading.Thread(target=zero.sync.flush)
+        flushing.start()
+        _wait(lambda: zero.sync.rounds[0] == 1 and flushing.is_alive(), "the flush waiting")
+        _steps(one.sync, _shift(params1, -0.25), 4)  # the round closes (version 1)
+        flushing.join(60)
+        assert not flushing.is_alive() and zero.sync.versions[0] == 1
+        _wait(lambda: 0 in cluster.fragment(0).pending, "the final push")
+        pending = cluster.fragment(0).pending[0]
+        assert (pending.steps, pending.base_version) == (2, 1)
+        for delta in cluster.server.state.pending_gradient(0, 0):
+            np.testing.assert_allclose(delta, 0.25, rtol=1e-5)
+    finally:
+        cluster.close()
+
+
 def _late_config(overlap):
     """One fragment, quorum 1, leases of 32 batches, plain averaging; any stale push late."""
     return _config(

@@ -221,6 +221,26 @@ def pause(link: DecoupledSync, params: Any) -> bool:
     return not trained and link.outbox.unsent() == 0
 
 
+def end_trips(link: DecoupledSync, params: Any) -> Any:
+    """Waits for the round trips under way of fragments with steps to push; applies the merges.
+
+    As a pause does (`pause`), for `rpc_timeout_s` at most: pushed before its trip's merge is
+    back, a fragment's final push would be anchored a round trip back, its outer gradient
+    holding the steps of the push under way again (counted twice where that one is merged).
+
+    Returns:
+      The parameters with the merges applied (the link's `_merge`).
+    """
+    deadline = time.monotonic() + link.config.decoupled.syncer.rpc_timeout_s
+    while True:
+        if link.inbox.waiting():
+            ready = link.inbox.take_ready(sys.maxsize)
+            params = link._initial = link._last = link._merge(params, ready)
+        waiting = [p for p in range(len(link.cut)) if link.steps_since[p] and link._under_way(p)]
+        if not waiting or time.monotonic() > deadline or link.stop.wait(0.02):
+            return params
+
+
 def crossing(link: DecoupledSync, p: int) -> bool:
     """Whether fragment p's last push is unanswered, or refused as late with its trip on."""
     trip, job = link.trips.get(p), link.jobs.get(p)
@@ -232,8 +252,11 @@ def crossing(link: DecoupledSync, p: int) -> bool:
 def flush(link: DecoupledSync, params: Any, final: bool) -> None:
     """Pushes every fragment's steps since its last push, held or not; waits for delivery.
 
-    Undelivered pushes are given up after 2 × `rpc_timeout_s` (`pushes_unsent`).
+    Undelivered pushes are given up after 2 × `rpc_timeout_s` (`pushes_unsent`). The run's
+    final flush first lets round trips under way end (`end_trips`).
     """
+    if final and link.rebases:
+        params = end_trips(link, params)
     drop_covered(link, params)
     for p in range(len(link.cut)):
         if link.steps_since[p]:
