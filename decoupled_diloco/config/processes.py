@@ -58,10 +58,10 @@ class SyncerConfig:
         most, fragments · (max_unsent + 1) + 2).
       max_transfers: a learner's pushes, and bodies of its pulls, that cross its data
         connection at once, each way (0: no bound). They share one TCP connection, so more at
-        once only split its rate; and behind a slow link gRPC split it so unevenly that one
-        of 4 pulls at 0.14 Mbit/s moved nothing for 31 s (4 pushes: gRPC's pings timed out
-        behind them), past the bounds that cut a stalled stream; one at a time, at most 8 s
-        (benchmarks/results/wan.md, "One transfer at a time").
+        once only split its rate; and behind a slow link gRPC split it so unevenly that, of
+        4 pulls at once at 0.14 Mbit/s, three moved nothing for 35-39 s, past the bounds that
+        cut a stalled stream; one at a time, at most 10 s (`tools/wan_streams.py`,
+        benchmarks/results/wan.md, "One transfer at a time").
       stream_idle_s: a push stream that moves nothing this long is cut (a pull: see
         `min_pull_bytes_per_s`).
       min_pull_bytes_per_s: a pull's reply is cut once it has taken `stream_idle_s` plus its
