@@ -191,7 +191,14 @@ def test_a_write_ahead_log_on_a_full_disk_stops_the_syncer_and_acknowledges_noth
             client = SyncerClient(f"127.0.0.1:{again.port}", config.decoupled.syncer, TOKEN)
             # Every acknowledged version is back; the refused push was never acknowledged (it
             # may be merged now if its own record made it to the log before the cut).
-            settled = wait_until(lambda: again.state.fragments[1].round is None, 30, "rounds")
+            # Settled: no round open, and its last merge published (on its log's disk sync,
+            # after the round closed: read before, the version was one behind).
+            fragment = again.state.fragments[1]
+            settled = wait_until(
+                lambda: fragment.round is None and fragment.published == fragment.version,
+                30,
+                "rounds",
+            )
             assert settled and again.state.versions()[1] in (acknowledged, acknowledged + 1)
             rnd = again.state.versions()[1]
             assert push(client, again, rnd + 1).accepted
