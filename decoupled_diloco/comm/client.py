@@ -6,6 +6,9 @@ link: it is cut once it moves nothing for `rpc_timeout_s` (a pull's first chunk 
 that takes minutes to cross a WAN link arrives, as long as each chunk crosses it within
 `rpc_timeout_s` and the syncer's `stream_idle_s` (`config.checks` holds `chunk_bytes` to that
 where the link's rate is known, `decoupled.wan_mbit`), and a stalled transfer still ends.
+Pushes, and the bodies of pulls, cross the data connection `max_transfers` at a time each way
+(default one): streams at once share its rate, and behind a slow link gRPC shared it so
+unevenly that some moved nothing for longer than those bounds (`tools/wan_streams.py`).
 """
 
 from __future__ import annotations
