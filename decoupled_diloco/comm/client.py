@@ -137,16 +137,6 @@ def queued_s(marks: list[tuple[float, int]], now: float) -> float | None:
     return max(marks[-1][1] - rate * (now - marks[0][0]), 0.0) / rate
 
 
-@contextlib.contextmanager
-def _turn(gate: threading.BoundedSemaphore | None) -> Iterator[None]:
-    """Holds one of `gate`'s places (None: no bound) for a transfer."""
-    if gate is None:
-        yield
-        return
-    with gate:
-        yield
-
-
 def transfer_deadline_s(nbytes: int, config: SyncerConfig, wait_s: float = 0.0) -> float:
     """The most a push or pull of `nbytes` may take, as a whole: the backstop behind `_Watch`.
 
@@ -346,7 +336,8 @@ class SyncerClient:
         deadline = transfer_deadline_s(header.total_bytes, self.config)
 
         def call() -> pb.PushReply:
-            with _turn(self._uploads):  # (the stream starts, and its deadline, with its turn)
+            # (the stream starts, and its deadline, with its turn)
+            with self._uploads or contextlib.nullcontext():
                 return attempt()
 
         def attempt() -> pb.PushReply:
@@ -449,7 +440,7 @@ class SyncerClient:
             # The body waits for its turn (its idle time not counted meanwhile: gRPC holds a
             # flow-control window of it, then the syncer waits), and is bounded from then.
             watch.hold()
-            with _turn(self._downloads):
+            with self._downloads or contextlib.nullcontext():
                 watch.moved()
                 if self._downloads is not None:
                     watch.limit(transfer_deadline_s(expected, self.config))

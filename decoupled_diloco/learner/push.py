@@ -208,9 +208,7 @@ def pause(link: DecoupledSync, params: Any) -> bool:
     # (Crossing first: a trip puts its merge in the inbox before it ends.)
     if any(crossing(link, p) for p in range(len(link.cut))):
         return False
-    if link.inbox.waiting():
-        ready = link.inbox.take_ready(sys.maxsize)
-        params = link._initial = link._last = link._merge(params, ready)
+    params = apply_all(link, params)
     drop_covered(link, params)
     waits = time.monotonic() - link.paused_at < link.config.decoupled.syncer.rpc_timeout_s
     trained = [p for p in range(len(link.cut)) if link.steps_since[p]]
@@ -233,12 +231,18 @@ def end_trips(link: DecoupledSync, params: Any) -> Any:
     """
     deadline = time.monotonic() + link.config.decoupled.syncer.rpc_timeout_s
     while True:
-        if link.inbox.waiting():
-            ready = link.inbox.take_ready(sys.maxsize)
-            params = link._initial = link._last = link._merge(params, ready)
+        params = apply_all(link, params)
         waiting = [p for p in range(len(link.cut)) if link.steps_since[p] and link._under_way(p)]
         if not waiting or time.monotonic() > deadline or link.stop.wait(0.02):
             return params
+
+
+def apply_all(link: DecoupledSync, params: Any) -> Any:
+    """Applies every merge back in the inbox now, due or not; the parameters after them."""
+    if link.inbox.waiting():
+        ready = link.inbox.take_ready(sys.maxsize)
+        params = link._initial = link._last = link._merge(params, ready)
+    return params
 
 
 def crossing(link: DecoupledSync, p: int) -> bool:
