@@ -228,3 +228,22 @@ def test_the_wan_benchmark_plans_a_leased_end_without_the_flush_bound():
             0.134e-3,
         )
     )
+
+
+def test_a_limited_dp_run_times_the_steps_its_budget_allows():
+    """The compiling step plus the planned steps that fit the budget: one or more, ten at most.
+
+    At the quick run's scaled 2 Gbit/s a dp step plans ~50 s: three steps (two timed) put
+    `--quick` at 604 s, over its 10 minutes; its 60 s budget times one.
+    """
+    from tools import bench_wan
+
+    dp = next(s for s in bench_wan.SETTINGS if s.kind == "dp")
+    w = pb.Workload(params=0.56e6, inner_steps=50, step_time_s=0.46)
+    gbps = 0.4885e-3
+    per_step = w.step_time_s / dp.planned(w, 4, gbps)
+    assert 40 < per_step < 60
+    assert bench_wan._dp_steps(dp, w, 4, gbps, bench_wan.QUICK_DP_TIMED_S)[0] == 2
+    assert bench_wan._dp_steps(dp, w, 4, gbps, bench_wan.DP_TIMED_S)[0] == 3
+    assert bench_wan._dp_steps(dp, w, 4, 1.0, bench_wan.DP_TIMED_S)[0] == 11  # (fast: ten)
+    assert bench_wan._dp_steps(dp, w, 4, 1e-6, bench_wan.QUICK_DP_TIMED_S)[0] == 2  # (one)

@@ -39,9 +39,10 @@ links, and the runs diverged (eval loss 1.41× and 4.15× the unlimited run at t
 planner's `diloco` mode (topology `syncer`: push, merge, pull in turn) predicts it.
 
 `--quick`: only decoupled e3m0 P=4 and dp, unlimited and at the scaled 2 Gbit/s (dp's unlimited
-run times 20 steps); it ends with `scaled 2 Gbit/s: decoupled utilisation U, dp utilisation V,
-shaping tbf|pacer`. Runs are reused when their workdir holds the very same config
-(`local.runs`), so a sweep can be extended with `--settings` and `--gbps`.
+run times 20 steps, its limited run ~1 minute of steps); it ends with `scaled 2 Gbit/s:
+decoupled utilisation U, dp utilisation V, shaping tbf|pacer`. Runs are reused when their
+workdir holds the very same config (`local.runs`), so a sweep can be extended with `--settings`
+and `--gbps`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = "experiments/configs/tiny_lm_decoupled.py"
 SCALED_GBPS = (5.0, 2.0, 1.0, 0.5)
 QUICK_DP_STEPS = 20
+DP_TIMED_S = 120.0  # see `_dp_steps`; --quick: QUICK_DP_TIMED_S
+QUICK_DP_TIMED_S = 60.0
 LONG_STEP_S = 150.0  # see `_dp_steps`
 # Chunks that cross the slowest link here (0.5 Gbit/s scaled: ~0.16 Mbit/s) in ~3 s, well
 # within the streams' idle cut (`config.checks`: half of min(stream_idle_s, rpc_timeout_s)).
@@ -213,11 +216,13 @@ def _workload(ref: bandwidth.Workload, setting: Setting, free: dict) -> bandwidt
 
 
 def _dp_steps(
-    setting: Setting, w: bandwidth.Workload, learners: int, gbps: float
+    setting: Setting, w: bandwidth.Workload, learners: int, gbps: float, timed_s: float
 ) -> tuple[int, dict[str, object]]:
     """Steps of a limited dp run, and its overrides beyond the setting's.
 
-    The steps: the compiling one plus ~2 minutes of planned steps (at least one).
+    The steps: the compiling one plus `timed_s` of planned steps (at least one, at most 10).
+    `--quick` times ~1 minute (one step at the scaled 2 Gbit/s: three took 321 s, which put the
+    run at 604 s, over its 10 minutes); a sweep ~2 minutes.
 
     Where a planned step is over `LONG_STEP_S`, the island's heartbeat timeout is three planned
     steps: at the scaled 0.5 Gbit/s the all-reduce starved JAX's coordination heartbeats past
@@ -227,7 +232,7 @@ def _dp_steps(
     extra = (
         {"decoupled.island_heartbeat_s": math.ceil(3 * per_step)} if per_step > LONG_STEP_S else {}
     )
-    return 1 + max(1, min(10, math.floor(120 / per_step))), extra
+    return 1 + max(1, min(10, math.floor(timed_s / per_step))), extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick
         else SCALED_GBPS
     )
+    dp_timed_s = QUICK_DP_TIMED_S if args.quick else DP_TIMED_S
     t0 = time.time()
     counts = {"run": 0, "reused": 0}  # (the reference run counts again as its setting's row)
     failures: dict[tuple[str, float], str] = {}  # (setting, gbps) -> the run's last error line
@@ -295,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for gbps in gbps_list:
             mbit = bandwidth.scaled_bandwidth(gbps * 1e9, bandwidth.PAPER_12B, workload) / 1e6
             steps, extra = (
-                _dp_steps(setting, w, args.learners, mbit / 1e3)
+                _dp_steps(setting, w, args.learners, mbit / 1e3, dp_timed_s)
                 if setting.kind == "dp"
                 else (args.steps, {})
             )
