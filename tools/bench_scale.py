@@ -614,7 +614,8 @@ def main() -> None:
             cells.append({"size": size, "learners": m, "skipped": skip} if skip else None)
             cells[-1] = cells[-1] or run_cell(size, m, args.rounds, args.snapshots_kept)
     command = (
-        f"python -m tools.bench_scale --sizes={args.sizes} --learners={args.learners} "
+        f"python -m tools.bench_scale --section=syncer --sizes={args.sizes} "
+        f"--learners={args.learners} "
         f"--rounds={args.rounds}"
         + (f" --snapshots_kept={args.snapshots_kept}" if args.snapshots_kept != 3 else "")
         + (f" --out={args.out}" if args.out else "")
