@@ -615,8 +615,7 @@ def main() -> None:
             cells[-1] = cells[-1] or run_cell(size, m, args.rounds, args.snapshots_kept)
     command = (
         f"python -m tools.bench_scale --section=syncer --sizes={args.sizes} "
-        f"--learners={args.learners} "
-        f"--rounds={args.rounds}"
+        f"--learners={args.learners} --rounds={args.rounds}"
         + (f" --snapshots_kept={args.snapshots_kept}" if args.snapshots_kept != 3 else "")
         + (f" --out={args.out}" if args.out else "")
     )
