@@ -1,4 +1,5 @@
-"""sim/bandwidth.py: the closed-form planning model against Streaming DiLoCo's Table 4."""
+"""sim/bandwidth.py and sim/link_end.py: the planning model, against Streaming DiLoCo's Table 4
+and by hand."""
 
 import dataclasses
 import json
@@ -141,16 +142,9 @@ def test_decoupled_never_waits_its_slow_link_shows_as_a_longer_sync_interval():
     assert sync_interval_steps(plan, 1e-3) == 10.0
     # 0.5 Mbit/s: c_p = 8 s, P c_p = 16 s > 10 s: each fragment every 16 steps.
     assert sync_interval_steps(plan, 0.5e-3) == pytest.approx(16.0)
-    # 20 steps at 1 Mbit/s: the final flush pushes all 8 Mbit (8 s) after the steps' 20 s, once
-    # the fragment in flight is through: the link is busy 8 s of every 10, 0.8 * 4 s.
-    assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 1e-3) == pytest.approx(
-        20 / (20 + 8 + 0.8 * 4)
-    )
-    # ... at 0.5 Mbit/s (behind): 16 s of flush beside both fragments' pushes in flight, half
-    # sent on average: 2 * 8 s / 2 (nothing queued: a due fragment is held, not queued).
-    assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 0.5e-3) == pytest.approx(
-        20 / (20 + 16 + 8)
-    )
+    # 20 steps at 1 Mbit/s: the end, played out (`sim.link_end`, by hand in the next test),
+    # takes 10 s after the steps' 20 s, where pushes cross merges at 0.8 of the rate.
+    assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 1e-3) == pytest.approx(20 / 30)
     with pytest.raises(ValueError, match="decoupled"):
         utilisation(plan, "async", 1e-3)
     # It keeps up (P c_p <= H t) from 2 * 4 Mbit / 10 s = 0.8 Mbit/s.
@@ -158,22 +152,47 @@ def test_decoupled_never_waits_its_slow_link_shows_as_a_longer_sync_interval():
     assert sync_interval_steps(plan, 0.8e-3) == pytest.approx(10.0)
 
 
-def test_a_decoupled_link_that_is_behind_flushes_the_pushes_in_flight():
-    """Behind (P c_p > H t): every fragment's push is in flight at the end, half sent on
-    average, beside the final pushes; bounded by the flush's own timeout. A link that keeps
-    up has the one fragment in flight a share of the time."""
-    plan = LinkPlan(params=4e6, step_time_s=0.1, inner_steps=10, fragments=4, bits=8,
-                    run_steps=100, flush_timeout_s=0)  # fmt: skip
-    ht, total = 10 * 0.1, 100 * 0.1
-    c = 1e6 * 8 / 8e6  # one fragment at 8 Mbit/s: 1 s; the link is 4x behind
-    want = total / (total + 4 * c + 4 * c / 2)
-    assert utilisation(plan, "decoupled", 0.008) == pytest.approx(want)
-    capped = dataclasses.replace(plan, flush_timeout_s=3.0)
-    assert utilisation(capped, "decoupled", 0.008) == pytest.approx(total / (total + 3.0))
-    # Keeping up (demand 0.5 at 64 Mbit/s): the fragment in flight and the final pushes only.
-    c = 1e6 * 8 / 64e6
-    want = total / (total + 4 * c + 4 * c / ht * c)
-    assert utilisation(plan, "decoupled", 0.064) == pytest.approx(want)
+def test_a_decoupled_end_is_played_out_and_transfers_crossing_each_other_lose_a_share():
+    """The end of a finite decoupled run, push by push (`sim.link_end`), by hand: the schedule,
+    one transfer at a time each way, a crossing transfer at `crossing_efficiency` of the rate,
+    the pause's wait for trips under way (issue 22: the closed form it replaced, half a trip
+    left on average, was 10-12 points off the measurement behind the slowest links)."""
+    from decoupled_diloco.sim.link_end import end_s
+
+    # H = 10, t = 1 s, P = 2, 4 s a push or a merge, 20 steps. Crossing at 0.8 (5 s):
+    # step 5: fragment 0 up 5-9, down 9-13. Step 10: fragment 1 up from 10 while that merge
+    # comes down: 10-15; down 15-19. Step 15: fragment 0 (back at 13) up 15-20 beside the
+    # merge (down 20-24). Step 20: fragment 1 (back at 19) up 20-25, down 25-29. The end: no
+    # push crossing at 25 s, fragment 0's trip back (24 s): up 25-30 beside the last merge.
+    assert end_s(20, 1.0, 10, 2, 4.0, 4.0, crossing_efficiency=0.8) == pytest.approx(10.0)
+    # ... at full rate the same schedule ends 8 s after the last step (20 / 28 above).
+    assert end_s(20, 1.0, 10, 2, 4.0, 4.0, crossing_efficiency=1.0) == pytest.approx(8.0)
+    # P = 1, 30 s each way: pushed at step 10 (up 10-40, down 40-70), held at step 20. The
+    # pause waits for that trip up to `trip_wait_s` from the last step: 15 s, so it pushes at
+    # 40 s (no push crossing then), beside the merge (the efficiency 1 here): done at 70 s.
+    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=15.0) == pytest.approx(50.0)
+    # With 60 s it waits for the merge (70 s), then pushes: 70-100 s.
+    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=60.0) == pytest.approx(80.0)
+    # Without data leases the final flush waits for the trips, then pushes every fragment at
+    # once, and the plan bounds it by `flush_timeout_s`.
+    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, leased=False) == pytest.approx(80.0)
+    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=15.0, leased=False) == (
+        pytest.approx(50.0)  # (pushed at 35 s, it crosses once the push under way is: 40-70 s)
+    )
+    # (240 Mbit at 8 Mbit/s: 30 s each way, as above)
+    plan = LinkPlan(params=1e6, step_time_s=1.0, inner_steps=10, fragments=1, bits=240,
+                    run_steps=20, flush_timeout_s=25.0)  # fmt: skip
+    assert utilisation(plan, "decoupled", 8e-3) == pytest.approx(20 / 45)
+    assert utilisation(dataclasses.replace(plan, flush_timeout_s=0), "decoupled", 8e-3) == (
+        pytest.approx(20 / 100)
+    )
+    with pytest.raises(ValueError, match="crossing_efficiency"):
+        pb.plan(dataclasses.replace(plan, crossing_efficiency=0.0))
+    with pytest.raises(ValueError, match="trip_wait_s"):
+        pb.plan(dataclasses.replace(plan, trip_wait_s=-1.0))
+    # A long run behind the link: its end is still one learner's few pushes, whatever T.
+    long_run = dataclasses.replace(plan, run_steps=100_000, flush_timeout_s=0)
+    assert 0.99 < utilisation(long_run, "decoupled", 8e-3) < 1.0
 
 
 def test_one_fragments_round_trip_bounds_its_sync_interval_and_the_end_waits_for_it():
@@ -190,10 +209,10 @@ def test_one_fragments_round_trip_bounds_its_sync_interval_and_the_end_waits_for
     assert sync_interval_steps(plan, 1e-3) == pytest.approx(16.0)
     # Keeping up needs the 16 Mbit of a trip in 10 s (P c_p alone: 8 Mbit).
     assert pb.plan(plan)["decoupled"]["gbps_to_keep_up"] == pytest.approx(1.6e-3)
-    # 20 steps: the final push (8 s) waits for the trip under way: always one (cycle = trip),
-    # half of it left on average (8 s), more than the push in flight (0.8 * 8 s).
+    # 20 steps: pushed at step 10 (up 10-18 s, back 26 s), held at step 20; the last push waits
+    # for that trip (the schedule fixes its phase: 6 s left), then takes 8 s.
     assert utilisation(LinkPlan(**base, run_steps=20), "decoupled", 1e-3) == pytest.approx(
-        20 / (20 + 8 + 8)
+        20 / (20 + 6 + 8)
     )
     # P = 2 at the same link: the other fragment's push fills the uplink during a merge back;
     # each fragment's 8 s trip fits in H t, the 2 pushes (8 s) too: it keeps up.
@@ -204,6 +223,7 @@ def test_one_fragments_round_trip_bounds_its_sync_interval_and_the_end_waits_for
 def test_the_planners_flush_bound_is_the_configs():
     syncer = config_lib.SyncerConfig()
     assert LinkPlan().flush_timeout_s == 2 * syncer.rpc_timeout_s
+    assert LinkPlan().trip_wait_s == syncer.rpc_timeout_s
 
 
 def test_the_wan_benchmark_plans_a_leased_end_without_the_flush_bound():

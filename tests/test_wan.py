@@ -317,17 +317,25 @@ def test_a_transfer_longer_than_the_rpc_deadline_arrives_and_a_stalled_one_is_cu
 
 @needs_lab
 def test_the_streams_tool_measures_streams_at_once_each_way():
-    # tools/wan_streams.py (benchmarks/results/wan.md, "One transfer at a time"), tiny.
+    # tools/wan_streams.py (benchmarks/results/wan.md, "One transfer at a time", and the
+    # planner's crossing efficiency), tiny: two calls one after another per stream, each way
+    # alone and both ways at once.
     out = subprocess.run(
         [sys.executable, "-m", "tools.wan_streams", "--mbit=2", "--streams=2", "--chunks=8",
-         "--chunk_bytes=16384"],
+         "--chunk_bytes=16384", "--calls=2", "--duplex"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout  # fmt: skip
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| p")]
-    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("pull", "2"), ("push", "2")], out
-    for _, k, ended, gaps, errors in rows:
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        ("pull", "2"), ("push", "2"), ("pull (beside pushes)", "2"), ("push (beside pulls)", "2")
+    ], out  # fmt: skip
+    for _, k, ended, share, gaps, errors in rows:
         assert errors.strip() == "-" and len(gaps.split(",")) == int(k)
-        assert 0.1 < float(ended) < 60  # (the bucket passes 64 KiB at once; 128 KiB each)
+        assert 0.1 < float(ended) < 60  # (the bucket passes 64 KiB at once; 256 KiB each)
+        # 2 streams x 2 calls x 128 KiB over `ended` at 2 Mbit/s: the bucket's first burst
+        # can put it over 1, never far.
+        assert float(share) == pytest.approx(4 * 131072 * 8 / (float(ended) * 2e6), abs=0.01)
+        assert 0.05 < float(share) < 2
 
 
 class _HeldArray:

@@ -140,6 +140,7 @@ class Setting:
             **common, inner_steps=w.inner_steps, fragments=self.fragments,
             overlap_steps=w.inner_steps // 5, bits=bits, down_bits=bits, topology="syncer",
             flush_timeout_s=_flush_bound(),
+            trip_wait_s=_trip_wait(),
         )  # fmt: skip
 
 
@@ -153,6 +154,12 @@ def _flush_bound() -> float:
     """
     run = runs.resolve(CONFIG)
     return 0.0 if c.data_leases(run) else 2 * run.decoupled.syncer.rpc_timeout_s
+
+
+@functools.cache
+def _trip_wait() -> float:
+    """How long a learner's end waits for a round trip under way (`LinkPlan.trip_wait_s`)."""
+    return runs.resolve(CONFIG).decoupled.syncer.rpc_timeout_s
 
 
 SETTINGS = [

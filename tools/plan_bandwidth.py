@@ -52,6 +52,18 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="decoupled: flush bound (0: none, as on data leases)",
     )
+    p.add_argument(
+        "--trip_wait_s",
+        type=float,
+        default=60.0,
+        help="decoupled: the end's wait for a round trip under way (rpc_timeout_s)",
+    )
+    p.add_argument(
+        "--crossing_efficiency",
+        type=float,
+        default=0.8,
+        help="decoupled: share of the rate a transfer gets beside one the other way",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--paper_table", action="store_true", help="compare with Streaming DiLoCo")
     return p

@@ -15,7 +15,8 @@ The model (a closed form, not a simulation) and every assumption it makes:
   `syncer` topology (this framework: learner <-> syncer star): up `n * b`, down `n * down_bits`,
   full duplex, so the slower direction counts. With M = 2 both topologies move the same bits.
   A transfer takes `latency_s + bits / bandwidth`. Nothing else (no protocol overhead, no
-  congestion, no stragglers, no failures: see tools/simulate_goodput.py for those).
+  congestion, no stragglers, no failures: see tools/simulate_goodput.py for those), except in
+  a decoupled run's end, below, where transfers crossing each other lose a measured share.
 * `dp`: every step all-reduces the full gradient at `dp_bits` (bf16 = 16); the step waits for the
   part of the transfer that the backward pass does not hide:
   `wall = t + max(0, c - backward_fraction * t)`.
@@ -42,19 +43,19 @@ The model (a closed form, not a simulation) and every assumption it makes:
   `streaming`'s wait predicted 0.88 at the slowest; that is why this mode exists.)
 * A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
   with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
-  T/H rounds; for `diloco` it replaces the last round's push and pull; for `decoupled`, the
-  fragment in flight at the end shares the link with it (`min(P c_p / (H t), 1) * c_p`, the
-  share of time the link is busy times one transfer); on a link that is behind
-  (P c_p > H t) every fragment's push is in flight at the end, half sent on average
-  (`min(P c_p / (H t), max(1, P / 2)) * c_p`); a fragment is pushed once its round trip has
-  ended, which adds what is left of a trip under way where that is longer (`trip / cycle *
-  trip / 2`, cycle = max(H t, P c_p, trip): the P = 1 case); the flush waits at most
-  `flush_timeout_s` (on data leases the end is the pause at the learner's last lease, which
-  waits for every push to be answered, with no bound: plan it with `flush_timeout_s` = 0).
-  (Behind
-  kernel rate limits, tools/bench_wan.py: decoupled e3m0 P=4 runs of 200 steps lost 2-25% to it
-  and nothing else.) The initial pull of the global parameters happens before the first step and
-  is not counted.
+  T/H rounds; for `diloco` it replaces the last round's push and pull. For `decoupled` the end
+  is played out push by push on one learner's link (`sim.link_end`): the schedule decides
+  where each fragment's round trip stands at the last step, the pushes and merges still under
+  way cross the link one at a time each way, a transfer crossing one in the other direction
+  gets `crossing_efficiency` of the rate, and the end waits up to `trip_wait_s` for a trip
+  under way before pushing that fragment anyway; the final flush without data leases gives
+  up after `flush_timeout_s` (on data leases the end is the pause at the learner's last
+  lease, which waits for every push to be delivered, with no bound: plan it with
+  `flush_timeout_s` = 0). (Behind kernel rate limits, tools/bench_wan.py: decoupled runs of
+  200 steps lost 2-85% to it and nothing else; against 43 such runs at P = 1 and 4 this
+  model is within 7.2 points of every one, where half a trip left on average, the closed
+  form it replaced, was off by up to 11.5.) The initial pull of the global parameters
+  happens before the first step and is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
   for a target utilisation is found by bisection; `inf` when latency alone rules the target out.
 
@@ -69,6 +70,8 @@ model, e.g. per-layer scheduling); treat numbers above ~95% as optimistic.
 import argparse
 import dataclasses
 import math
+
+from decoupled_diloco.sim import link_end
 
 MODES = ("dp", "diloco", "streaming")  # the tables; `utilisation` also takes "decoupled"
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
@@ -109,6 +112,14 @@ class LinkPlan:
       flush_timeout_s: decoupled: the longest a learner's final flush waits (2 ×
         `decoupled.syncer.rpc_timeout_s`); 0: no bound, as on data leases (the end is then the
         pause at the last lease, which waits until every push is answered).
+      trip_wait_s: decoupled: how long a learner's end waits for a fragment's round trip
+        under way before pushing it anyway (`decoupled.syncer.rpc_timeout_s`).
+      crossing_efficiency: decoupled: the share of the link's rate a transfer gets while one
+        in the other direction crosses it on the learner's connection (each call's request or
+        reply queues behind the other direction's data). Measured behind `tc tbf` at 0.283
+        Mbit/s, four 0.59 MB calls one after another each way at once
+        (`tools/wan_streams.py --calls=4 --duplex`): 0.77 for the pushes, 0.88 for the pulls,
+        0.98 each alone; a run's end fits best at 0.75-0.8 (benchmarks/results/wan.md).
     """
 
     params: float = 1e9
@@ -127,6 +138,8 @@ class LinkPlan:
     targets: tuple[float, ...] = TARGETS
     run_steps: int = 0
     flush_timeout_s: float = 120.0
+    trip_wait_s: float = 60.0
+    crossing_efficiency: float = 0.8
 
 
 def parse_count(text: str) -> float:
@@ -204,23 +217,18 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
     if mode == "decoupled":
         if not rounds:
             return 1.0
-        p = args.fragments
-        c = _transfer_s(args, args.params / p, args.bits, gbps)
-        # The final pushes share the link with the fragment in flight, if any: the link is
-        # busy a share P c_p / (H t) of the time. Behind (demand > 1), every fragment's push
-        # is under way (held pushes never queue: one round trip per fragment), half sent on
-        # average. And a fragment is pushed only once its round trip has ended (its merge
-        # back): a trip takes a share trip / cycle of each fragment's cycle, half of it left
-        # on average; with P = 1 nothing else uses the uplink meanwhile. The learner gives
-        # up after `flush_timeout_s`.
-        demand = p * c / (h * t)
-        trip = _trip_s(args, gbps)
-        cycle = max(h * t, p * c, trip)
-        in_flight = max(min(demand, max(1.0, p / 2)) * c, trip / cycle * trip / 2)
-        flush = args.latency_s + args.params * args.bits / (gbps * 1e9) + in_flight
+        p, bps = args.fragments, gbps * 1e9
+        flush = link_end.end_s(
+            args.run_steps, t, h, p,
+            up_s=args.latency_s + args.params / p * args.bits / bps,
+            down_s=args.latency_s + args.params / p * (args.down_bits or args.bits) / bps,
+            crossing_efficiency=args.crossing_efficiency,
+            trip_wait_s=args.trip_wait_s,
+            leased=not args.flush_timeout_s,
+        )  # fmt: skip
         if args.flush_timeout_s:
             flush = min(flush, args.flush_timeout_s)
-        return rounds * h * t / (rounds * h * t + flush)
+        return args.run_steps * t / (args.run_steps * t + flush)
     raise ValueError(f"unknown mode {mode!r}; expected one of {(*MODES, 'decoupled')}")
 
 
@@ -300,6 +308,10 @@ def check_args(args: LinkPlan) -> None:
         raise ValueError(f"run_steps ({args.run_steps}) must be 0 or >= inner_steps")
     if args.overlap_steps < 0 or args.latency_s < 0 or args.down_bits < 0:
         raise ValueError("overlap_steps, latency_s and down_bits must be >= 0")
+    if args.trip_wait_s < 0:
+        raise ValueError(f"trip_wait_s must be >= 0, got {args.trip_wait_s}")
+    if not 0.0 < args.crossing_efficiency <= 1.0:
+        raise ValueError(f"crossing_efficiency must be in (0, 1], got {args.crossing_efficiency}")
     if not 0.0 <= args.backward_fraction <= 1.0:
         raise ValueError(f"backward_fraction must be in [0, 1], got {args.backward_fraction}")
     if args.bandwidth_gbps < 0:
