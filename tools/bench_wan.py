@@ -21,7 +21,8 @@ Utilisation: for decoupled and diloco, stepping time (less the link's waits insi
 loop, `blocked_s`) over the learners' time from their first step on (stepping, blocked,
 checkpointing), from the timelines; "without final flush" leaves out the waits after the last
 step, which a long run amortises. The planner (`sim.bandwidth.utilisation`) predicts both: for
-the run's length, final flush included, and for a long run. A decoupled learner never waits for
+the run's length, final flush included (its end played out push by push, `sim.link_end`), and
+for a long run. A decoupled learner never waits for
 its link (its mode `decoupled` says 1 for a long run); a slow link shows instead as a longer
 interval between a fragment's syncs (`sim.bandwidth.sync_interval_steps`, "planned interval")
 and, measured, as pushes the syncer refused as too stale ("late") and last pushes still unsent

@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     d = out["decoupled"]
     at = f"; at {args.bandwidth_gbps:g} Gbit/s every {d['sync_interval_steps']:.0f} steps" if (
         "sync_interval_steps" in d) else ""  # fmt: skip
+    if "utilisation" in d:
+        at += f"; {args.run_steps} steps with its end: {100 * d['utilisation']:.1f}%"
     print(f"decoupled  never waits; syncs every H={args.inner_steps} steps from "
           f"{_fmt(d['gbps_to_keep_up'])} Gbit/s{at}")  # fmt: skip
     return 0

@@ -114,8 +114,9 @@ class LinkPlan:
         pause at the last lease, which waits until every push is answered).
       trip_wait_s: decoupled: how long a learner's end waits for a fragment's round trip
         under way before pushing it anyway (`decoupled.syncer.rpc_timeout_s`).
-      crossing_efficiency: decoupled: the share of the link's rate a transfer gets while one
-        in the other direction crosses it on the learner's connection (each call's request or
+      crossing_efficiency: decoupled, a finite run's end (`sim.link_end`): the share of the
+        link's rate a transfer gets while one in the other direction crosses it on the
+        learner's connection (each call's request or
         reply queues behind the other direction's data). Measured behind `tc tbf` at 0.283
         Mbit/s, four 0.59 MB calls one after another each way at once
         (`tools/wan_streams.py --calls=4 --duplex`): 0.77 for the pushes, 0.88 for the pulls,
@@ -285,6 +286,8 @@ def plan(args: LinkPlan) -> dict:
     out["decoupled"] = {"gbps_to_keep_up": bandwidth_to_keep_up(args)}
     if args.bandwidth_gbps:
         out["decoupled"]["sync_interval_steps"] = sync_interval_steps(args, args.bandwidth_gbps)
+        if args.run_steps:  # (what its end costs a run of that length)
+            out["decoupled"]["utilisation"] = utilisation(args, "decoupled", args.bandwidth_gbps)
     if args.topology == "syncer":
         # The syncer (all shards together) carries every learner's traffic.
         gb95 = out["streaming"].get("gbps_for_95pct")

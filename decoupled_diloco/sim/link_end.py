@@ -4,10 +4,12 @@ After its last step a decoupled learner still has to push what it trained since 
 fragment's last push, and, behind a slow link, its pushes and merges under way to see
 through. How long that takes depends on where each fragment's round trip stands at the last
 step, which the schedule decides, not chance (measured behind kernel rate limits, issue 22:
-a closed form that took half a trip as left on average put one fragment's end at twice the
-measured one, and four fragments' at two thirds). So this plays the schedule out:
+a closed form that took half a trip as left on average planned one fragment's end at up to
+twice the measured one, and four fragments' behind the link at 0.6-0.8 of it; `tools/
+replan_wan.py`). So this plays the schedule out:
 
-* Fragment p (of P) is due at steps (p + 1) H / P + k H (`learner.schedule`). Due while its
+* Fragment p (of P) is due at steps ⌊(p + 1) H / P⌋ + k H (`core.fragments.offset`, kept
+  here as a formula: that module needs JAX, the planner does not). Due while its
   round trip is under way, it is held, and pushed at the first step after the trip ends
   (`learner.push.push_due`).
 * A learner's pushes cross its uplink one at a time, and the merges it pulls its downlink
