@@ -52,10 +52,11 @@ The model (a closed form, not a simulation) and every assumption it makes:
   up after `flush_timeout_s` (on data leases the end is the pause at the learner's last
   lease, which waits for every push to be delivered, with no bound: plan it with
   `flush_timeout_s` = 0). (Behind kernel rate limits, tools/bench_wan.py: decoupled runs of
-  200 steps lost 2-85% to it and nothing else; against 43 such runs at P = 1 and 4 this
-  model is within 7.2 points of every one, where half a trip left on average, the closed
-  form it replaced, was off by up to 11.5.) The initial pull of the global parameters
-  happens before the first step and is not counted.
+  200 steps lost 2-85% to it and nothing else; against 49 such runs at P = 1 and 4, six of
+  them predicted before they ran, this model is within 8.5 points of every one, where half a
+  trip left on average, the closed form it replaced, was off by up to 11.5:
+  `tools/replan_wan.py`.) The initial pull of the global parameters happens before the first
+  step and is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
   for a target utilisation is found by bisection; `inf` when latency alone rules the target out.
 
