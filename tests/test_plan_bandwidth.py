@@ -2,6 +2,7 @@
 and by hand."""
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -159,39 +160,54 @@ def test_a_decoupled_end_is_played_out_and_transfers_crossing_each_other_lose_a_
     left on average, was 10-12 points off the measurement behind the slowest links)."""
     from decoupled_diloco.sim.link_end import end_s
 
-    # H = 10, t = 1 s, P = 2, 4 s a push or a merge, 20 steps. Crossing at 0.8 (5 s):
-    # step 5: fragment 0 up 5-9, down 9-13. Step 10: fragment 1 up from 10 while that merge
-    # comes down: 10-15; down 15-19. Step 15: fragment 0 (back at 13) up 15-20 beside the
-    # merge (down 20-24). Step 20: fragment 1 (back at 19) up 20-25, down 25-29. The end: no
-    # push crossing at 25 s, fragment 0's trip back (24 s): up 25-30 beside the last merge.
-    assert end_s(20, 1.0, 10, 2, 4.0, 4.0, crossing_efficiency=0.8) == pytest.approx(10.0)
-    # ... at full rate the same schedule ends 8 s after the last step (20 / 28 above).
-    assert end_s(20, 1.0, 10, 2, 4.0, 4.0, crossing_efficiency=1.0) == pytest.approx(8.0)
+    end = functools.partial(end_s, latency_s=0.0, flush_timeout_s=0.0, trip_wait_s=60.0,
+                            crossing_efficiency=1.0, data_leases=True)  # fmt: skip
+    # H = 10, t = 1 s, P = 2, 4 s a push or a merge, 20 steps. A push that starts while a
+    # merge comes down at 0.8 (5 s): step 5: fragment 0 up 5-9, down 9-13. Step 10: fragment
+    # 1 up 10-15 (that merge coming down), down 15-19. Step 15: fragment 0 (its merge applied
+    # before step 14) up 15-20, down 20-24. Step 20: fragment 1 up 20-25, down 25-29. The
+    # pause: no push crossing at 25 s, fragment 0's merge back (24 s): up 25-30.
+    assert end(20, 1.0, 10, 2, 4.0, 4.0, crossing_efficiency=0.8) == pytest.approx(10.0)
+    # ... at full rate the same schedule ends 8 s after the last step (4 + 4, 24-28 s).
+    assert end(20, 1.0, 10, 2, 4.0, 4.0) == pytest.approx(8.0)
+    # A merge back during step k is applied before step k + 1. Merges of 5.5 s: fragment 0
+    # up 5-9, down 9-14.5 (during step 15); fragment 1 up 10-15, down 15-20.5. Due after step
+    # 15, fragment 0 is held until after step 16: up 16-21, down 21-26.5. Fragment 1, due after
+    # step 20, is held (its merge is back at 20.5 s). The pause: pushes fragment 1 at 21 s
+    # (21-26), then fragment 0 once its merge is back, 26.5-31.5.
+    assert end(20, 1.0, 10, 2, 4.0, 5.5, crossing_efficiency=0.8) == pytest.approx(11.5)
     # P = 1, 30 s each way: pushed at step 10 (up 10-40, down 40-70), held at step 20. The
     # pause waits for that trip up to `trip_wait_s` from the last step: 15 s, so it pushes at
-    # 40 s (no push crossing then), beside the merge (the efficiency 1 here): done at 70 s.
-    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=15.0) == pytest.approx(50.0)
+    # 40 s (no push crossing then), beside the merge: done at 70 s (at 0.8: 77.5 s).
+    assert end(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=15.0) == pytest.approx(50.0)
+    assert end(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=15.0, crossing_efficiency=0.8) == (
+        pytest.approx(57.5)
+    )
     # With 60 s it waits for the merge (70 s), then pushes: 70-100 s.
-    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=60.0) == pytest.approx(80.0)
-    # Without data leases the final flush waits for the trips, then pushes every fragment at
-    # once, and the plan bounds it by `flush_timeout_s`.
-    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, leased=False) == pytest.approx(80.0)
-    assert end_s(20, 1.0, 10, 1, 30.0, 30.0, trip_wait_s=15.0, leased=False) == (
-        pytest.approx(50.0)  # (pushed at 35 s, it crosses once the push under way is: 40-70 s)
-    )
-    # (240 Mbit at 8 Mbit/s: 30 s each way, as above)
+    assert end(20, 1.0, 10, 1, 30.0, 30.0) == pytest.approx(80.0)
+    # Without data leases the final flush waits for the trips (`end_trips`), pushes every
+    # fragment at once, and waits `flush_timeout_s` at most for their delivery.
+    assert end(20, 1.0, 10, 1, 30.0, 30.0, data_leases=False) == pytest.approx(80.0)
+    flush = functools.partial(end, 20, 1.0, 10, 1, 30.0, 30.0, data_leases=False, trip_wait_s=15.0)
+    assert flush() == pytest.approx(50.0)  # (pushed at 35 s: up once the push under way is in)
+    assert flush(flush_timeout_s=25.0) == pytest.approx(40.0)  # (given up at 60 s)
+    # Latency holds its direction before each transfer's bytes, and is not slowed.
+    assert end(20, 1.0, 10, 1, 30.0, 30.0, latency_s=1.0) == pytest.approx(83.0)
+    with pytest.raises(ValueError, match="fragments"):
+        end(20, 1.0, 2, 4, 1.0, 1.0)
+    # (240 Mbit at 8 Mbit/s: 30 s each way, as above; the flush: trip back at 70 s, pushed
+    # 70-100 s, given up at 95 s)
     plan = LinkPlan(params=1e6, step_time_s=1.0, inner_steps=10, fragments=1, bits=240,
-                    run_steps=20, flush_timeout_s=25.0)  # fmt: skip
-    assert utilisation(plan, "decoupled", 8e-3) == pytest.approx(20 / 45)
-    assert utilisation(dataclasses.replace(plan, flush_timeout_s=0), "decoupled", 8e-3) == (
-        pytest.approx(20 / 100)
-    )
+                    run_steps=20, data_leases=False, flush_timeout_s=25.0)  # fmt: skip
+    assert utilisation(plan, "decoupled", 8e-3) == pytest.approx(20 / 95)
+    leased = dataclasses.replace(plan, data_leases=True)
+    assert utilisation(leased, "decoupled", 8e-3) == pytest.approx(20 / 100)
     with pytest.raises(ValueError, match="crossing_efficiency"):
         pb.plan(dataclasses.replace(plan, crossing_efficiency=0.0))
     with pytest.raises(ValueError, match="trip_wait_s"):
         pb.plan(dataclasses.replace(plan, trip_wait_s=-1.0))
     # A long run behind the link: its end is still one learner's few pushes, whatever T.
-    long_run = dataclasses.replace(plan, run_steps=100_000, flush_timeout_s=0)
+    long_run = dataclasses.replace(leased, run_steps=100_000)
     assert 0.99 < utilisation(long_run, "decoupled", 8e-3) < 1.0
 
 
@@ -224,6 +240,9 @@ def test_the_planners_flush_bound_is_the_configs():
     syncer = config_lib.SyncerConfig()
     assert LinkPlan().flush_timeout_s == 2 * syncer.rpc_timeout_s
     assert LinkPlan().trip_wait_s == syncer.rpc_timeout_s
+    assert LinkPlan().data_leases == config_lib.data_leases(
+        config_lib.ExperimentConfig(mode="decoupled")
+    )
 
 
 def test_the_wan_benchmark_plans_a_leased_end_without_the_flush_bound():
@@ -236,18 +255,11 @@ def test_the_wan_benchmark_plans_a_leased_end_without_the_flush_bound():
     assert config_lib.data_leases(runs.resolve(bench_wan.CONFIG))
     setting = next(s for s in bench_wan.SETTINGS if s.name == "decoupled none P=1")
     w = pb.Workload(params=0.56e6, inner_steps=50, step_time_s=0.346)
-    plan = setting._decoupled_plan(w, {"params": w.params, "step_time_s": w.step_time_s})
-    assert plan.flush_timeout_s == 0
-    # Behind the link the end is longer than the bound: the plan counts all of it.
-    assert (
-        setting.planned(w, 4, 0.134e-3, 200)
-        < 0.25
-        < utilisation(
-            dataclasses.replace(plan, run_steps=200, num_learners=4, flush_timeout_s=120.0),
-            "decoupled",
-            0.134e-3,
-        )
-    )
+    plan = setting.decoupled_plan(w, {"params": w.params, "step_time_s": w.step_time_s})
+    assert plan.data_leases and plan.trip_wait_s == 60.0
+    # Behind the link the end is longer than the flush's bound: the plan counts all of it.
+    flushed = dataclasses.replace(plan, run_steps=200, num_learners=4, data_leases=False)
+    assert setting.planned(w, 4, 0.134e-3, 200) < utilisation(flushed, "decoupled", 0.134e-3)
 
 
 def test_a_limited_dp_run_times_the_steps_its_budget_allows():
@@ -286,7 +298,7 @@ def test_the_planner_is_within_10_points_of_every_recorded_wan_cell(capsys):
 def test_the_cli_gives_a_decoupled_runs_utilisation_with_its_end(capsys):
     # The hand-computed end above (P = 2, 4 s a transfer, 20 steps): 10 s, 20 / 30.
     argv = ["--params=1e6", "--step_time_s=1", "--inner_steps=10", "--fragments=2", "--bits=8",
-            "--bandwidth_gbps=0.001", "--run_steps=20", "--flush_timeout_s=0"]  # fmt: skip
+            "--bandwidth_gbps=0.001", "--run_steps=20"]  # fmt: skip
     assert cli.main(argv) == 0
     assert "; 20 steps with its end: 66.7%" in capsys.readouterr().out
     assert cli.main([*argv, "--json"]) == 0

@@ -126,41 +126,37 @@ class Setting:
             plan = bandwidth.LinkPlan(**common, inner_steps=w.inner_steps, fragments=1,
                                       overlap_steps=0, dp_bits=32, topology="syncer")  # fmt: skip
             return bandwidth.utilisation(plan, "diloco", gbps)
-        return bandwidth.utilisation(self._decoupled_plan(w, common), "decoupled", gbps)
+        return bandwidth.utilisation(self.decoupled_plan(w, common), "decoupled", gbps)
 
     def sync_interval(self, w: bandwidth.Workload, learners: int, gbps: float) -> float:
         """The planner's steps between a fragment's syncs (decoupled; NaN otherwise)."""
         if self.kind != "decoupled" or gbps <= 0:
             return float("nan")
         common = {"params": w.params, "step_time_s": w.step_time_s, "num_learners": learners}
-        return bandwidth.sync_interval_steps(self._decoupled_plan(w, common), gbps)
+        return bandwidth.sync_interval_steps(self.decoupled_plan(w, common), gbps)
 
-    def _decoupled_plan(self, w: bandwidth.Workload, common: dict) -> bandwidth.LinkPlan:
+    def decoupled_plan(self, w: bandwidth.Workload, common: dict) -> bandwidth.LinkPlan:
+        """The planner's inputs for this decoupled setting, `common` (N, step time, ...) given."""
         bits = _BITS[self.scheme]
         return bandwidth.LinkPlan(
             **common, inner_steps=w.inner_steps, fragments=self.fragments,
             overlap_steps=w.inner_steps // 5, bits=bits, down_bits=bits, topology="syncer",
-            flush_timeout_s=_flush_bound(),
-            trip_wait_s=_trip_wait(),
+            **_end(),
         )  # fmt: skip
 
 
 @functools.cache
-def _flush_bound() -> float:
-    """How long the runs' learners may take to end (`LinkPlan.flush_timeout_s`; 0: no bound).
+def _end() -> dict[str, object]:
+    """How the runs' learners end (`LinkPlan`'s `data_leases`, `flush_timeout_s`, `trip_wait_s`).
 
     On data leases a learner's end is the pause at its last lease, which waits until every
     push is answered; without leases the final flush gives up after 2 x rpc_timeout_s
-    (`learner.push.flush`).
+    (`learner.push.flush`). Either waits up to rpc_timeout_s for a round trip under way.
     """
     run = runs.resolve(CONFIG)
-    return 0.0 if c.data_leases(run) else 2 * run.decoupled.syncer.rpc_timeout_s
-
-
-@functools.cache
-def _trip_wait() -> float:
-    """How long a learner's end waits for a round trip under way (`LinkPlan.trip_wait_s`)."""
-    return runs.resolve(CONFIG).decoupled.syncer.rpc_timeout_s
+    timeout = run.decoupled.syncer.rpc_timeout_s
+    return {"data_leases": c.data_leases(run), "flush_timeout_s": 2 * timeout,
+            "trip_wait_s": timeout}  # fmt: skip
 
 
 SETTINGS = [

@@ -47,22 +47,28 @@ def _parser() -> argparse.ArgumentParser:
         "--run_steps", type=int, default=0, help="T: count the final flush of a T-step run"
     )
     p.add_argument(
+        "--data_leases",
+        action=argparse.BooleanOptionalAction,
+        default=LinkPlan.data_leases,
+        help="decoupled: the end is the pause at the last lease (the default), or the flush",
+    )
+    p.add_argument(
         "--flush_timeout_s",
         type=float,
-        default=120.0,
-        help="decoupled: flush bound (0: none, as on data leases)",
+        default=LinkPlan.flush_timeout_s,
+        help="decoupled, --no-data_leases: the final flush's bound (0: none)",
     )
     p.add_argument(
         "--trip_wait_s",
         type=float,
-        default=60.0,
+        default=LinkPlan.trip_wait_s,
         help="decoupled: the end's wait for a round trip under way (rpc_timeout_s)",
     )
     p.add_argument(
         "--crossing_efficiency",
         type=float,
-        default=0.8,
-        help="decoupled: share of the rate a transfer gets beside one the other way",
+        default=LinkPlan.crossing_efficiency,
+        help="decoupled: share of the rate a push gets while a merge comes down",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--paper_table", action="store_true", help="compare with Streaming DiLoCo")

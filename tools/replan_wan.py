@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 
 from decoupled_diloco.sim import bandwidth
@@ -86,7 +87,7 @@ def planned(setting: str, mbit: float, steps: int, step_s: float, **plan: float)
     w = bandwidth.Workload(PARAMS, INNER_STEPS, step_s)
     common = {"params": w.params, "step_time_s": w.step_time_s, "num_learners": LEARNERS,
               "run_steps": steps}  # fmt: skip
-    link = dataclasses.replace(s._decoupled_plan(w, common), **plan)
+    link = dataclasses.replace(s.decoupled_plan(w, common), **plan)
     return bandwidth.utilisation(link, "decoupled", mbit / 1e3)
 
 
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {section} | {setting} | {mbit:g} | {steps} | {step_s:.4g} | {measured:.3f} "
               f"| {closed:.3f} | {old[-1]:+.1f} | {now:.3f} | {new[-1]:+.1f} |")  # fmt: skip
     for name, d in (("closed form", old), ("now", new)):
+        rms = math.sqrt(statistics.mean(x * x for x in d))
         print(f"\n{name}: {len(d)} cells, {sum(abs(x) > 10 for x in d)} over 10 points; mean "
-              f"{statistics.mean(d):+.1f}, rms {statistics.pstdev(d):.1f}, largest "
+              f"{statistics.mean(d):+.1f}, rms {rms:.1f}, largest "
               f"{max(d, key=abs):+.1f} (crossing efficiency {args.crossing_efficiency:g})",
               end="")  # fmt: skip
     print()

@@ -8,7 +8,8 @@ for the idle bound, `rpc_timeout_s` or the syncer's `stream_idle_s`, is lost wor
 share of the link's rate the direction got (its bytes over the time its last stream took).
 `--duplex` also runs k pulls and k pushes at once: both directions busy on one connection, as
 a learner's pushes and the merges it pulls are behind a loaded link (the planner's
-`sim.bandwidth.DUPLEX_EFFICIENCY`).
+`LinkPlan.crossing_efficiency`). With `--calls` > 1 a pull's longest gap includes the gaps
+between its calls (the client times them); a push's is within a call (the server's).
 
   python -m tools.wan_streams --mbit=0.14 --streams=4,1   # needs root and iproute2
   python -m tools.wan_streams --mbit=0.28 --streams=1 --chunks=18 --duplex

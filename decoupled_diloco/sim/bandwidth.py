@@ -44,19 +44,19 @@ The model (a closed form, not a simulation) and every assumption it makes:
 * A finite run (`run_steps` = T > 0; 0: a run long enough that its end does not count) ends
   with the final flush: every fragment's last push, `N * bits` up (nothing comes back), after
   T/H rounds; for `diloco` it replaces the last round's push and pull. For `decoupled` the end
-  is played out push by push on one learner's link (`sim.link_end`): the schedule decides
-  where each fragment's round trip stands at the last step, the pushes and merges still under
-  way cross the link one at a time each way, a transfer crossing one in the other direction
-  gets `crossing_efficiency` of the rate, and the end waits up to `trip_wait_s` for a trip
-  under way before pushing that fragment anyway; the final flush without data leases gives
-  up after `flush_timeout_s` (on data leases the end is the pause at the learner's last
-  lease, which waits for every push to be delivered, with no bound: plan it with
-  `flush_timeout_s` = 0). (Behind kernel rate limits, tools/bench_wan.py: decoupled runs of
-  200 steps lost 2-85% to it and nothing else; against 49 such runs at P = 1 and 4, six of
-  them predicted before they ran, this model is within 8.5 points of every one, where half a
-  trip left on average, the closed form it replaced, was off by up to 11.5:
-  `tools/replan_wan.py`.) The initial pull of the global parameters happens before the first
-  step and is not counted.
+  is played out push by push on one learner's link (`sim.link_end`, whose docstring lists
+  what it models and what not): the schedule decides where each fragment's round trip stands
+  at the last step, the pushes and merges still under way cross the link one at a time each
+  way, a push that starts while a merge comes down gets `crossing_efficiency` of the rate,
+  and the end waits up to `trip_wait_s` for a trip under way before pushing that fragment
+  anyway. On data leases (`data_leases`, the framework's default) the end is the pause at the
+  learner's last lease, which waits for every push to be delivered, with no bound; without
+  them the final flush waits up to `flush_timeout_s` for delivery. (Behind kernel rate
+  limits, tools/bench_wan.py: decoupled runs of 200 steps lost 2-85% of their time to it,
+  0-5% elsewhere; against the 49 such runs recorded, `tools/replan_wan.py`, this is within
+  8.9 points of every one, rms 2.9, where the closed form it replaced, half a trip left on
+  average, was over 10 points in five, rms 5.9.) The initial pull of the global parameters
+  happens before the first step and is not counted.
 * Utilisation = compute time / wall time. It rises monotonically with bandwidth, so the bandwidth
   for a target utilisation is found by bisection; `inf` when latency alone rules the target out.
 
@@ -110,18 +110,18 @@ class LinkPlan:
       bandwidth_gbps: the link, for its utilisation; 0: only the bandwidth each target needs.
       targets: utilisation targets.
       run_steps: T, the run's length, whose final flush then counts (0: a long run).
-      flush_timeout_s: decoupled: the longest a learner's final flush waits (2 ×
-        `decoupled.syncer.rpc_timeout_s`); 0: no bound, as on data leases (the end is then the
-        pause at the last lease, which waits until every push is answered).
+      data_leases: decoupled: learners train on data leases (`decoupled.data_shards`, the
+        default): a run's end is the pause at the last lease, unbounded; else the final flush.
+      flush_timeout_s: decoupled without data leases: the longest the final flush waits for
+        its pushes' delivery (2 × `decoupled.syncer.rpc_timeout_s`); 0: no bound.
       trip_wait_s: decoupled: how long a learner's end waits for a fragment's round trip
         under way before pushing it anyway (`decoupled.syncer.rpc_timeout_s`).
       crossing_efficiency: decoupled, a finite run's end (`sim.link_end`): the share of the
-        link's rate a transfer gets while one in the other direction crosses it on the
-        learner's connection (each call's request or
-        reply queues behind the other direction's data). Measured behind `tc tbf` at 0.283
-        Mbit/s, four 0.59 MB calls one after another each way at once
+        link's rate a push gets while a merge comes down on the learner's connection (each
+        call's request or reply queues behind the other direction's data). Measured behind
+        `tc tbf` at 0.283 Mbit/s, four 0.59 MB calls one after another each way at once
         (`tools/wan_streams.py --calls=4 --duplex`): 0.77 for the pushes, 0.88 for the pulls,
-        0.98 each alone; a run's end fits best at 0.75-0.8 (benchmarks/results/wan.md).
+        0.98 each alone.
     """
 
     params: float = 1e9
@@ -139,6 +139,7 @@ class LinkPlan:
     bandwidth_gbps: float = 0.0
     targets: tuple[float, ...] = TARGETS
     run_steps: int = 0
+    data_leases: bool = True
     flush_timeout_s: float = 120.0
     trip_wait_s: float = 60.0
     crossing_efficiency: float = 0.8
@@ -180,13 +181,18 @@ def _transfer_s(args: LinkPlan, params: float, bits: float, gbps: float) -> floa
     return args.latency_s + wire / (gbps * 1e9)
 
 
+def _legs_s(args: LinkPlan, gbps: float) -> tuple[float, float]:
+    """Seconds of one fragment's push and of its merge back at `gbps`, latency apart."""
+    values = args.params / args.fragments
+    return values * args.bits / (gbps * 1e9), values * (args.down_bits or args.bits) / (gbps * 1e9)
+
+
 def _trip_s(args: LinkPlan, gbps: float) -> float:
     """Seconds of one fragment's round trip in decoupled mode: its push, then its merge back.
 
     The two legs follow each other (the merge needs the push), each in its own direction.
     """
-    bits = args.bits + (args.down_bits or args.bits)
-    return 2 * args.latency_s + args.params / args.fragments * bits / (gbps * 1e9)
+    return 2 * args.latency_s + sum(_legs_s(args, gbps))
 
 
 def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
@@ -219,17 +225,13 @@ def utilisation(args: LinkPlan, mode: str, gbps: float) -> float:
     if mode == "decoupled":
         if not rounds:
             return 1.0
-        p, bps = args.fragments, gbps * 1e9
+        up_s, down_s = _legs_s(args, gbps)
         flush = link_end.end_s(
-            args.run_steps, t, h, p,
-            up_s=args.latency_s + args.params / p * args.bits / bps,
-            down_s=args.latency_s + args.params / p * (args.down_bits or args.bits) / bps,
-            crossing_efficiency=args.crossing_efficiency,
-            trip_wait_s=args.trip_wait_s,
-            leased=not args.flush_timeout_s,
+            args.run_steps, t, h, args.fragments, up_s, down_s,
+            latency_s=args.latency_s, crossing_efficiency=args.crossing_efficiency,
+            trip_wait_s=args.trip_wait_s, data_leases=args.data_leases,
+            flush_timeout_s=args.flush_timeout_s,
         )  # fmt: skip
-        if args.flush_timeout_s:
-            flush = min(flush, args.flush_timeout_s)
         return args.run_steps * t / (args.run_steps * t + flush)
     raise ValueError(f"unknown mode {mode!r}; expected one of {(*MODES, 'decoupled')}")
 
