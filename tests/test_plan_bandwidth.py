@@ -259,7 +259,7 @@ def test_the_wan_benchmark_plans_a_leased_end_without_the_flush_bound():
     assert plan.data_leases and plan.trip_wait_s == 60.0
     # Behind the link the end is longer than the flush's bound: the plan counts all of it.
     flushed = dataclasses.replace(plan, run_steps=200, num_learners=4, data_leases=False)
-    assert setting.planned(w, 4, 0.134e-3, 200) < utilisation(flushed, "decoupled", 0.134e-3)
+    assert setting.planned(w, 4, 0.134e-3, 200) < 0.25 < utilisation(flushed, "decoupled", 0.134e-3)
 
 
 def test_a_limited_dp_run_times_the_steps_its_budget_allows():
@@ -283,7 +283,7 @@ def test_a_limited_dp_run_times_the_steps_its_budget_allows():
 
 def test_the_planner_is_within_10_points_of_every_recorded_wan_cell(capsys):
     """`tools.replan_wan`: the decoupled cells measured behind `tc tbf` (benchmarks/results/
-    wan.md; 43 before the end was played out, 6 predicted before they ran), against the
+    wan.md; 43 before the end was played out, 6 run for it), against the
     planner as it is now."""
     from tools import replan_wan
 

@@ -11,7 +11,8 @@ at which the closed form gives the printed prediction (to 1 ms; `step s` below).
 The sections (wan.md): "28" = "Decoupled, every setting on one code" (P = 1 on 386116d; its
 P = 4 rows, "28-old", predate one transfer at a time each way, 1b575f0); "29" = "One transfer
 at a time each way"; "30-*" = "Repeats, the headline over 1000 steps, and `--quick`"; "31" =
-"The end played out": six cells the current planner predicted before they ran.
+"The end played out": six cells run after the planner's first played-out end was committed
+(its predictions were written before they finished; review fixes to the model came after).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ CELLS = (
     ("28-old", "decoupled none P=4", 1.413, 200, 0.333, 0.782, 0.816),
     ("28-old", "decoupled none P=4", 0.565, 200, 0.334, 0.522, 0.589),
     ("28-old", "decoupled none P=4", 0.283, 200, 0.333, 0.305, 0.413),
-    # Predicted by the current planner before they ran (their step times are their own
-    # unlimited runs', measured; the closed form's values as the old code rendered them).
+    # Run for the played-out end (their step times are their own unlimited runs', measured;
+    # the closed form's values as the old code rendered them).
     ("31", "decoupled none P=4", 0.2874, 200, 0.2956, 0.299, 0.388),
     ("31", "decoupled none P=4", 1.4371, 200, 0.2956, 0.802, 0.797),
     ("31", "decoupled e3m0 P=4", 0.1437, 200, 0.3234, 0.689, 0.764),

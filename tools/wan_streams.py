@@ -12,9 +12,9 @@ a learner's pushes and the merges it pulls are behind a loaded link (the planner
 between its calls (the client times them); a push's is within a call (the server's).
 
   python -m tools.wan_streams --mbit=0.14 --streams=4,1   # needs root and iproute2
-  python -m tools.wan_streams --mbit=0.28 --streams=1 --chunks=18 --duplex
+  python -m tools.wan_streams --mbit=0.283 --streams=1 --chunks=9 --calls=4 --duplex
 
-Measured results: benchmarks/results/wan.md ("One transfer at a time").
+Measured results: benchmarks/results/wan.md ("One transfer at a time", "The end played out").
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def client(k: int) -> None:
 
     def up(_: int) -> str:
         worst = 0.0
-        for _ in range(FLAGS.calls):  # (the gap between two calls is the reply's and the next's)
+        for _ in range(FLAGS.calls):  # (the server times the gaps within a call only)
             stream = (bytes(FLAGS.chunk_bytes) for _ in range(FLAGS.chunks))
             worst = max(worst, float(channel.stream_unary("/s/up")(stream).decode().split()[1]))
         return f"{time.monotonic() - t0:.1f} {worst:.1f}"
