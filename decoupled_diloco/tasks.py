@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from decoupled_diloco.config import DATASETS, ConfigError, ExperimentConfig
+from decoupled_diloco.config import DATASETS, ConfigError, ExperimentConfig, ModelConfig
 from decoupled_diloco.core import fragments as F
 from decoupled_diloco.models.mesh import make_island_mesh
 
@@ -300,16 +300,33 @@ def from_functions(
     return Task(name, build_model, loss, metrics, **fields)
 
 
-def _lm_metrics(graphdef: nnx.GraphDef, params: PyTree, tokens_BT1: jax.Array) -> dict:
+def _lm_metrics(
+    graphdef: nnx.GraphDef, params: PyTree, batch: Batch, document_mask: bool = True
+) -> dict:
     from decoupled_diloco.models.transformer import lm_loss
 
-    return {"loss": lm_loss(graphdef, params, tokens_BT1)}
+    return {"loss": lm_loss(graphdef, params, batch, document_mask)}
+
+
+def model_config(config: ExperimentConfig) -> ModelConfig:
+    """`config.model` with its vocabulary taken from the data where it is 0.
+
+    Raises:
+      ConfigError: a vocabulary that differs from the tokenizer's (`model_vocab_size`).
+    """
+    if config.model.kind == "vit" or config.data.dataset != "text":
+        return config.model
+    from decoupled_diloco.data.dataset import model_vocab_size
+
+    return dataclasses.replace(config.model, vocab_size=model_vocab_size(config))
 
 
 def _builtin_task(config: ExperimentConfig) -> Task:
     from decoupled_diloco.models.transformer import Transformer, is_embedding, lm_loss
 
     kind = config.model.kind
+    model_cfg = model_config(config)
+    mask = model_cfg.document_mask
     lm = {
         "batch_spec": P("data", None),
         "is_mean_only": lambda name: is_embedding(tuple(name.split("/"))),
@@ -320,9 +337,9 @@ def _builtin_task(config: ExperimentConfig) -> Task:
     if kind == "transformer":
         return from_functions(
             "language_modeling",
-            lambda rngs: Transformer(config.model, rngs),
-            lm_loss,
-            _lm_metrics,
+            lambda rngs: Transformer(model_cfg, rngs),
+            functools.partial(lm_loss, document_mask=mask),
+            functools.partial(_lm_metrics, document_mask=mask),
             **lm,
         )
     if kind == "moe":
@@ -330,9 +347,9 @@ def _builtin_task(config: ExperimentConfig) -> Task:
 
         return from_functions(
             "language_modeling",
-            lambda rngs: moe.MoETransformer(config.model, config.moe, rngs),
-            functools.partial(moe.moe_lm_loss, moe=config.moe),
-            moe.moe_lm_metrics,
+            lambda rngs: moe.MoETransformer(model_cfg, config.moe, rngs),
+            functools.partial(moe.moe_lm_loss, moe=config.moe, document_mask=mask),
+            functools.partial(moe.moe_lm_metrics, document_mask=mask),
             **lm,
         )
     if kind == "vit":

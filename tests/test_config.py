@@ -83,7 +83,7 @@ def test_tiny_lm_config_matches_the_issue():
         4,
         512,
         128,
-        256,
+        0,  # from the data: 256 on the byte corpus
     )
     assert config.data.batch_size == 16 and config.optim.lr == 3e-3
     defaults = config_lib.OuterConfig()  # the framework default is DiLoCo's 0.7 / Nesterov 0.9

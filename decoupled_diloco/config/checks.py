@@ -286,7 +286,12 @@ def _validate_supervisor(c: ExperimentConfig) -> None:
 
 
 def _validate_model(m: ModelConfig) -> None:
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_hidden", "seq_len"):
+    _check(
+        m.vocab_size >= 0,
+        "model.vocab_size",
+        f"must be >= 0 (0: from the data), got {m.vocab_size}",
+    )
+    for name in ("d_model", "num_layers", "num_heads", "mlp_hidden", "seq_len"):
         value = getattr(m, name)
         _check(value >= 1, f"model.{name}", f"must be >= 1, got {value}")
     _check(
@@ -414,7 +419,7 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
         for name in ("d_model", "mlp_hidden", "vocab_size", "num_heads") if builtin else ():
             value = getattr(m, name)
             _check(
-                value % model_axis == 0,
+                value % model_axis == 0 or (name == "vocab_size" and not value),
                 field,
                 f"model axis {model_axis} does not divide model.{name}={value}",
             )

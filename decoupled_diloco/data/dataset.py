@@ -16,11 +16,14 @@ plain generator or numpy iterator works too, but only in runs without checkpoint
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from decoupled_diloco.config import ConfigError, ExperimentConfig
+from decoupled_diloco.data import packed
+from decoupled_diloco.data import shards as shards_lib
 from decoupled_diloco.data import text as data_lib
 
 Batch = Any
@@ -150,9 +153,53 @@ def load_dataset(config: ExperimentConfig, preloaded: Any = None, task: Any = No
             "pass dataset= to train_and_evaluate"
         )
     if config.data.dataset == "text":
+        if preloaded is None and shards_lib.is_prepared(config.data.path):
+            return packed.PreparedDataset(
+                config.data.path, config.model.seq_len, verify=config.data.verify
+            )
         corpus = preloaded or data_lib.load_corpus(config.data.path, config.data.val_fraction)
         return TextDataset(corpus, config.model.seq_len)
     from decoupled_diloco.data import vision as vision_data
 
     images = preloaded or vision_data.load_images(config.data.dataset, config.data.val_fraction)
     return ImageDataset(images, config.data.augment)
+
+
+def model_vocab_size(config: ExperimentConfig) -> int:
+    """The built-in LM's vocabulary for `config.data`: `model.vocab_size`, or the data's.
+
+    On a prepared directory (its manifest is read, nothing else) 0 means the tokenizer's
+    vocabulary padded to a multiple of `packed.VOCAB_MULTIPLE`; on the byte corpus, 256.
+
+    Raises:
+      ConfigError: a `model.vocab_size` that is neither the tokenizer's vocabulary nor its
+        padded size, one below 256 on the byte corpus, or a padded size that the model axis
+        does not divide.
+    """
+    given = config.model.vocab_size
+    path = config.data.path
+    if not shards_lib.is_prepared(path):
+        if given and given < 256:
+            raise ConfigError(
+                f"config.model.vocab_size={given}: the byte corpus at {path or 'the stdlib'} "
+                "has ids up to 255 (0: take it from the data)"
+            )
+        return given or 256
+    try:
+        vocab = int(shards_lib.read_manifest(pathlib.Path(path))["tokenizer"]["vocab_size"])
+    except shards_lib.PreparedDataError as error:
+        raise ConfigError(f"config.data.path: {error}") from None
+    padded = packed.padded_vocab(vocab)
+    if given and given not in (vocab, padded):
+        raise ConfigError(
+            f"config.model.vocab_size={given} differs from the tokenizer's vocabulary {vocab} "
+            f"of {path} (padded: {padded}); set it to 0 to take it from the tokenizer"
+        )
+    size = given or padded
+    model_axis = config.mesh.shape[1]
+    if size % model_axis:
+        raise ConfigError(
+            f"config.model.vocab_size: the model axis {model_axis} does not divide the "
+            f"vocabulary {size} of {path}; set model.vocab_size to a multiple of both"
+        )
+    return size

@@ -57,8 +57,9 @@ def _corpus_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(files)
 
 
-def _is_validation(relative: str, val_fraction: float) -> bool:
-    return zlib.crc32(relative.encode()) % 10_000 < val_fraction * 10_000
+def is_validation(key: str, val_fraction: float) -> bool:
+    """Whether the document or file named `key` is held out: a hash of the key, not its order."""
+    return zlib.crc32(key.encode()) % 10_000 < val_fraction * 10_000
 
 
 def load_corpus(path: str = "", val_fraction: float = 0.05) -> Corpus:
@@ -86,7 +87,7 @@ def load_corpus(path: str = "", val_fraction: float = 0.05) -> Corpus:
         for file in files:
             chunk = file.read_bytes() + b"\n\n"
             relative = file.relative_to(root).as_posix()
-            (val_parts if _is_validation(relative, val_fraction) else train_parts).append(chunk)
+            (val_parts if is_validation(relative, val_fraction) else train_parts).append(chunk)
         if not train_parts or not val_parts:
             raise ValueError(
                 f"config.data.path: {root} has {len(files)} text files; need at least one for "

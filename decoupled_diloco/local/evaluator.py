@@ -9,7 +9,7 @@ import jax
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.data.dataset import load_dataset
+from decoupled_diloco.data.dataset import describe, load_dataset
 from decoupled_diloco.island import Island
 
 
@@ -33,6 +33,7 @@ class GlobalEvaluator:
         self.cut = F.partition(specs, config.decoupled.fragments)
         self.num_leaves = len(specs)
         dataset = load_dataset(config, corpus, self.island.task)
+        self.data_key, self.data_facts = describe(dataset)  # for the run's summary
         self.batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
         self.metrics: dict[str, float] = {}
 

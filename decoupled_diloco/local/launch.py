@@ -290,6 +290,7 @@ def run_decoupled(
         **{f"final_eval_{k}": v for k, v in evaluator.metrics.items() if k != "loss"},
         "task": task.identity(),
         "token_unit": task.token_unit,
+        evaluator.data_key: evaluator.data_facts,
         "final_train_loss": float(np.mean([x["final_loss"] for x in learners])),
         "outer_syncs": status["merges"],
         "merge_sizes": status["merge_sizes"],

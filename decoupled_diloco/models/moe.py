@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 
 from decoupled_diloco.config import ModelConfig, MoEConfig
-from decoupled_diloco.models.transformer import Attention, Params
+from decoupled_diloco.models.transformer import Attention, Params, Segments, check_vocab, inputs
 
 EXPERT_AXIS = "model"  # The island mesh axis the expert dimension is sharded over.
 
@@ -147,9 +147,11 @@ class MoEBlock(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.moe = MoEMLP(cfg, moe, rngs)
 
-    def __call__(self, x_ND: jax.Array, batch: int) -> tuple[jax.Array, Routing]:
+    def __call__(
+        self, x_ND: jax.Array, batch: int, segments: Segments | None = None
+    ) -> tuple[jax.Array, Routing]:
         """Applies the block to flattened tokens (N = B*T, D); routing groups are sequences."""
-        x_ND = x_ND + self.attn(self.attn_norm(x_ND), batch)
+        x_ND = x_ND + self.attn(self.attn_norm(x_ND), batch, segments)
         h_GSD = self.mlp_norm(x_ND).reshape(batch, -1, x_ND.shape[-1])
         y_GSD, routing = self.moe(h_GSD)
         return x_ND + y_GSD.reshape(x_ND.shape).astype(x_ND.dtype), routing
@@ -160,6 +162,7 @@ class MoETransformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
+        check_vocab(cfg)
         self.embed = nnx.Embed(
             cfg.vocab_size, cfg.d_model, embedding_init=_init((None, "model")), dtype=dtype,
             rngs=rngs,
@@ -179,13 +182,15 @@ class MoETransformer(nnx.Module):
             )  # fmt: skip
         )
 
-    def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, list[Routing]]:
-        """Logits (B, T, V) in float32 and each layer's routing."""
+    def __call__(
+        self, tokens_BT: jax.Array, segments: Segments | None = None
+    ) -> tuple[jax.Array, list[Routing]]:
+        """Logits (B, T, V) in float32 and each layer's routing (within documents, if given)."""
         batch, seq_len = tokens_BT.shape
         x_ND = self.embed(tokens_BT.reshape(-1))
         routings = []
         for block in self.blocks:
-            x_ND, routing = block(x_ND, batch)
+            x_ND, routing = block(x_ND, batch, segments)
             routings.append(routing)
         x_ND = self.final_norm(x_ND)
         logits_NV = self.embed.attend(x_ND) if self.unembed is None else self.unembed(x_ND)
@@ -193,12 +198,16 @@ class MoETransformer(nnx.Module):
 
 
 def moe_lm_metrics(
-    graphdef: nnx.GraphDef, params: Params, tokens_BT1: jax.Array
+    graphdef: nnx.GraphDef, params: Params, batch: Any, document_mask: bool = True
 ) -> dict[str, jax.Array]:
-    """Next-token cross-entropy (`loss`) and the router's losses, summed over layers."""
+    """Next-token cross-entropy (`loss`) and the router's losses, summed over layers.
+
+    `batch`: token ids (B, T+1) or a packed dict (`transformer.split_batch`).
+    """
     model: Any = nnx.merge(graphdef, params)
-    logits_BTV, routings = model(tokens_BT1[:, :-1])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:]).mean()
+    tokens_BT, segments, labels_BT = inputs(batch, document_mask)
+    logits_BTV, routings = model(tokens_BT, segments)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT).mean()
     return {
         "loss": ce,
         "moe_load_balance": sum(r.load_balance for r in routings),
@@ -208,10 +217,10 @@ def moe_lm_metrics(
 
 
 def moe_lm_loss(
-    graphdef: nnx.GraphDef, params: Params, tokens_BT1: jax.Array, moe: MoEConfig
+    graphdef: nnx.GraphDef, params: Params, batch: Any, moe: MoEConfig, document_mask: bool = True
 ) -> jax.Array:
     """The training loss: cross-entropy + weighted load-balancing and router z-losses."""
-    m = moe_lm_metrics(graphdef, params, tokens_BT1)
+    m = moe_lm_metrics(graphdef, params, batch, document_mask)
     return (
         m["loss"]
         + moe.aux_loss_weight * m["moe_load_balance"]

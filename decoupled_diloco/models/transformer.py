@@ -3,12 +3,16 @@
 Parameters carry sharding annotations over the mesh axes `data` and `model`
 (`nnx.with_partitioning`); the island turns them into `NamedSharding`s. Training code never
 holds the module: it splits it once into a graph definition and a plain dict of parameters,
-and calls `lm_loss(graphdef, params, tokens)` inside `jax.jit`.
+and calls `lm_loss(graphdef, params, batch)` inside `jax.jit`.
+
+A batch from a prepared corpus packs several documents into a window; with their segment ids
+and positions (`Segments`) attention stays within each document and rotary positions restart
+at each one, so a token's logits do not depend on the other documents of its window.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +34,31 @@ def _linear(d_in: int, d_out: int, spec: tuple, dtype: Any, rngs: nnx.Rngs) -> n
     return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=_init(spec), dtype=dtype, rngs=rngs)
 
 
-def rotary(x_BTNH: jax.Array, base: float) -> jax.Array:
-    """Applies rotary position embeddings over the sequence axis (T) of `x`."""
+def rotary(x_BTNH: jax.Array, base: float, positions_BT: jax.Array | None = None) -> jax.Array:
+    """Applies rotary position embeddings to `x` at `positions` (default: 0, 1, ... along T)."""
     _, seq_len, _, head_dim = x_BTNH.shape
     inv_freq_F = 1.0 / base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angle_TF = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_F[None, :]
-    sin_T1F, cos_T1F = jnp.sin(angle_TF)[:, None, :], jnp.cos(angle_TF)[:, None, :]
+    if positions_BT is None:
+        positions_BT = jnp.arange(seq_len)[None, :]
+    angle_BTF = positions_BT.astype(jnp.float32)[:, :, None] * inv_freq_F
+    sin_BT1F, cos_BT1F = jnp.sin(angle_BTF)[:, :, None, :], jnp.cos(angle_BTF)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos_T1F - x2 * sin_T1F, x2 * cos_T1F + x1 * sin_T1F], -1)
+    rotated = jnp.concatenate([x1 * cos_BT1F - x2 * sin_BT1F, x2 * cos_BT1F + x1 * sin_BT1F], -1)
     return rotated.astype(x_BTNH.dtype)
+
+
+class Segments(NamedTuple):
+    """Packed documents in a batch of windows: which document each token is of, and where."""
+
+    segment_ids_BT: jax.Array
+    positions_BT: jax.Array
+
+
+def document_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """(B, 1, T, T) bool: a query attends to earlier keys of its own segment only."""
+    same_BTT = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    causal_TT = jnp.tril(jnp.ones(same_BTT.shape[1:], bool))
+    return (same_BTT & causal_TT)[:, None]
 
 
 def attention_implementation(setting: str, dtype: str, head_dim: int = 64) -> str:
@@ -74,15 +94,26 @@ class Attention(nnx.Module):
         )
         self.out = _linear(cfg.d_model, cfg.d_model, ("model", None), dtype, rngs)
 
-    def __call__(self, x_ND: jax.Array, batch: int) -> jax.Array:
-        """Attends within each of the `batch` sequences of flattened tokens `x_ND`."""
+    def __call__(self, x_ND: jax.Array, batch: int, segments: Segments | None = None) -> jax.Array:
+        """Attends within each of the `batch` sequences of flattened tokens `x_ND`.
+
+        Given `segments`, also within each document of a sequence only.
+        """
         tokens, d_model = x_ND.shape
         shape = (batch, tokens // batch, self.num_heads, d_model // self.num_heads)
         q_BTNH, k_BTNH, v_BTNH = (f(x_ND).reshape(shape) for f in (self.q, self.k, self.v))
-        q_BTNH, k_BTNH = rotary(q_BTNH, self.rope_base), rotary(k_BTNH, self.rope_base)
-        o_BTNH = jax.nn.dot_product_attention(
-            q_BTNH, k_BTNH, v_BTNH, is_causal=True, implementation=self.implementation
-        )
+        positions = None if segments is None else segments.positions_BT
+        q_BTNH = rotary(q_BTNH, self.rope_base, positions)
+        k_BTNH = rotary(k_BTNH, self.rope_base, positions)
+        if segments is None:
+            o_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BTNH, v_BTNH, is_causal=True, implementation=self.implementation
+            )
+        else:  # the causal mask within each document
+            mask = document_mask(segments.segment_ids_BT)
+            o_BTNH = jax.nn.dot_product_attention(
+                q_BTNH, k_BTNH, v_BTNH, mask=mask, implementation=self.implementation
+            )
         return self.out(o_BTNH.reshape(tokens, d_model))
 
 
@@ -114,9 +145,10 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(cfg, rngs)
 
-    def __call__(self, x_ND: jax.Array, batch: int) -> jax.Array:
+    def __call__(self, x_ND: jax.Array, batch: int, segments: Segments | None = None) -> jax.Array:
         """Residual attention, then residual MLP."""
-        x_ND = x_ND + self.attn(self.attn_norm(x_ND), batch)
+        attn_args = (batch,) if segments is None else (batch, segments)
+        x_ND = x_ND + self.attn(self.attn_norm(x_ND), *attn_args)
         return x_ND + self.mlp(self.mlp_norm(x_ND))
 
 
@@ -125,6 +157,7 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
+        check_vocab(cfg)
         self.embed = nnx.Embed(
             cfg.vocab_size,
             cfg.d_model,
@@ -141,33 +174,72 @@ class Transformer(nnx.Module):
             else _linear(cfg.d_model, cfg.vocab_size, (None, "model"), dtype, rngs)
         )
 
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        """Logits (B, T, V) for token ids (B, T)."""
+    def __call__(self, tokens_BT: jax.Array, segments: Segments | None = None) -> jax.Array:
+        """Logits (B, T, V) for token ids (B, T), within documents given their `segments`."""
         batch, seq_len = tokens_BT.shape
         # Activations stay 2-D (N = B*T tokens): XLA:CPU runs dots with one contracting
         # dimension as fast GEMMs, but ones contracting over (B, T) in the backward pass
         # several times slower (measured 160 -> 127 ms/step for the MLP alone).
         x_ND = self.embed(tokens_BT.reshape(-1))
         for block in self.blocks:
-            x_ND = (_remat_block if self.remat else _block)(block, x_ND, batch)
+            x_ND = (_remat_block if self.remat else _block)(block, x_ND, batch, segments)
         x_ND = self.final_norm(x_ND)
         logits_NV = self.embed.attend(x_ND) if self.unembed is None else self.unembed(x_ND)
         return logits_NV.reshape(batch, seq_len, -1).astype(jnp.float32)
 
 
-def _block(block: Block, x_ND: jax.Array, batch: int) -> jax.Array:
-    return block(x_ND, batch)
+def _block(block: Block, x_ND: jax.Array, batch: int, segments: Segments | None) -> jax.Array:
+    return block(x_ND, batch, segments)
 
 
 # Activation memory of one block instead of all: its inside is recomputed for the gradient.
 _remat_block = nnx.remat(_block, static_argnums=(2,))
 
 
-def lm_loss(graphdef: nnx.GraphDef, params: Params, tokens_BT1: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats) of `tokens_BT1` (B, T+1) under `params`."""
+def check_vocab(cfg: ModelConfig) -> None:
+    """Refuses a model whose vocabulary was never resolved from its data (`vocab_size` 0)."""
+    if cfg.vocab_size < 1:
+        raise ValueError(
+            "ModelConfig.vocab_size is 0 (take it from the data): build the model through "
+            "dd.make_task(config), or give the size with dd.model_config(config)"
+        )
+
+
+def split_batch(batch: Any, document_mask: bool) -> tuple[jax.Array, Segments | None]:
+    """(tokens (B, T+1), their segments or None) of a batch: an array, or a packed dict.
+
+    A dict (a prepared corpus: `tokens`, `segment_ids`, `positions`) gives segments when
+    `document_mask` is on; an array (the byte corpus) never does.
+    """
+    if not isinstance(batch, dict):
+        return batch, None
+    if not document_mask:
+        return batch["tokens"], None
+    return batch["tokens"], Segments(batch["segment_ids"], batch["positions"])
+
+
+def inputs(batch: Any, document_mask: bool) -> tuple[jax.Array, Segments | None, jax.Array]:
+    """(input ids (B, T), their segments, next-token labels (B, T)) of a batch."""
+    tokens_BT1, segments = split_batch(batch, document_mask)
+    if segments is not None:
+        segments = Segments(segments.segment_ids_BT[:, :-1], segments.positions_BT[:, :-1])
+    return tokens_BT1[:, :-1], segments, tokens_BT1[:, 1:]
+
+
+def lm_loss(
+    graphdef: nnx.GraphDef, params: Params, batch: Any, document_mask: bool = True
+) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of a batch of (B, T+1) windows under `params`.
+
+    Args:
+      graphdef: the model's graph.
+      params: its parameters.
+      batch: token ids (B, T+1), or a packed dict (`split_batch`).
+      document_mask: attend within each packed document only.
+    """
     model = nnx.merge(graphdef, params)
-    logits_BTV = model(tokens_BT1[:, :-1])
-    labels_BT = tokens_BT1[:, 1:]
+    tokens_BT, segments, labels_BT = inputs(batch, document_mask)
+    logits_BTV = model(tokens_BT, segments)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, labels_BT).mean()
 
 

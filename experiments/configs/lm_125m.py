@@ -21,7 +21,6 @@ def get_config():
             inner_steps=100,
             train_steps=2000,
             model=c.ModelConfig(
-                vocab_size=256,
                 d_model=768,
                 num_layers=12,
                 num_heads=12,

@@ -21,7 +21,6 @@ def get_config():
             inner_steps=100,
             train_steps=2000,
             model=c.ModelConfig(
-                vocab_size=256,
                 d_model=2048,
                 num_layers=20,
                 num_heads=16,

@@ -21,7 +21,6 @@ def get_config():
             inner_steps=100,
             train_steps=2000,
             model=c.ModelConfig(
-                vocab_size=256,
                 d_model=1024,
                 num_layers=24,
                 num_heads=16,

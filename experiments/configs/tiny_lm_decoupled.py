@@ -26,7 +26,7 @@ def get_config():
             inner_steps=50,
             train_steps=300,
             model=c.ModelConfig(
-                vocab_size=256, d_model=128, num_layers=2, num_heads=4, mlp_hidden=512, seq_len=128
+                d_model=128, num_layers=2, num_heads=4, mlp_hidden=512, seq_len=128
             ),
             data=c.DataConfig(batch_size=16),
             optim=c.OptimConfig(lr=3e-3),

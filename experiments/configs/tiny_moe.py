@@ -35,7 +35,6 @@ def get_config(mode: str = "decoupled"):
             train_steps=300,
             model=c.ModelConfig(
                 kind="moe",
-                vocab_size=256,
                 d_model=128,
                 num_layers=2,
                 num_heads=4,
