@@ -48,6 +48,12 @@ _EXPORTS = {
     "Task": "decoupled_diloco.tasks",
     "make_task": "decoupled_diloco.tasks",
     "Dataset": "decoupled_diloco.data.dataset",
+    # Real corpora (docs/data.md): tokenize once into token shards, train on them.
+    "prepare": "decoupled_diloco.data.prepare",
+    "PreparedDataset": "decoupled_diloco.data.packed",
+    "load_tokenizer": "decoupled_diloco.data.tokenizer",
+    "train_bpe": "decoupled_diloco.data.tokenizer",
+    "model_config": "decoupled_diloco.tasks",
     "make_inner_optimizer": "decoupled_diloco.optim",
     "Island": "decoupled_diloco.island",
     "DiLoCoOuter": "decoupled_diloco.trainers",

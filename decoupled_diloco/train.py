@@ -174,9 +174,11 @@ def train_and_evaluate(
         return RunResult(summary=summary, params=params)
     t_start = time.perf_counter()
     t_wall = time.time()
+    workdir = pathlib.Path(workdir) if workdir is not None else None
+    if workdir is not None and corpus is None and task.dataset is None:
+        dataset_lib.check_workdir_data(config, workdir)
     data = dataset_lib.load_dataset(config, corpus, task)
     val_batches = data.validation_batches(config.data.batch_size, config.eval.batches)
-    workdir = pathlib.Path(workdir) if workdir is not None else None
     checkpoint_dir = workdir / "checkpoints" if workdir and config.checkpoint.every else None
     trainer = build_trainer(config, data, devices, checkpoint_dir, supervised_controls or (), task)
     timeline = _timeline(config, workdir, fresh=not supervised, t_start=t_wall)

@@ -31,7 +31,7 @@ def tiny_config(**overrides) -> config_lib.ExperimentConfig:
         seed=0,
         log_every=4,
         model=config_lib.ModelConfig(
-            vocab_size=256, d_model=32, num_layers=1, num_heads=2, mlp_hidden=64, seq_len=32
+            d_model=32, num_layers=1, num_heads=2, mlp_hidden=64, seq_len=32
         ),
         data=config_lib.DataConfig(batch_size=8),
         optim=config_lib.OptimConfig(lr=3e-3, warmup_steps=2),
@@ -45,6 +45,19 @@ def corpus():
     from decoupled_diloco.data import text as data
 
     return data.load_corpus()
+
+
+@pytest.fixture(scope="session")
+def prepared_stdlib(tmp_path_factory):
+    """Two standard-library folders prepared with the bytes tokenizer (a real corpus on disk)."""
+    from decoupled_diloco.data import prepare
+    from decoupled_diloco.data.text import default_corpus_root
+
+    out = tmp_path_factory.mktemp("prepared") / "stdlib"
+    root = default_corpus_root()
+    prepare.prepare([str(root / "email"), str(root / "json")], out, "bytes",
+                    shard_tokens=1 << 18, log=lambda _: None)  # fmt: skip
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

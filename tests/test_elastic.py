@@ -324,7 +324,9 @@ def _learner(cluster, i, field):
 
 
 @pytest.mark.multiprocess
-def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(tmp_path):
+def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(
+    tmp_path, prepared_stdlib
+):
     """2 learners; one SIGKILLed mid-lease and restarted; a third joins; the syncer is killed
     and restarted; then learner 0 dies for good. Every window of the budget is in the global
     model exactly once, the joined learner's pushes are merged.
@@ -333,10 +335,12 @@ def test_a_run_that_gains_and_loses_learners_consumes_every_window_exactly_once(
     and until learner 0 dies, so the budget cannot run out first however loaded the machine is.
     The global batch is constant (the ledger counts rows; each step trains 16 rows over the
     live learners: leases handed again are cut inside steps' worth of units), the one path
-    the other multi-process tests do not take.
+    the other multi-process tests do not take. The data is a prepared corpus on disk (token
+    shards, packed windows), which the other multi-process tests do not read either.
     """
     config = _run_config(
         **{
+            "data.path": str(prepared_stdlib),
             "decoupled.global_batch": "constant",
             "decoupled.data_shards": 16,
             "decoupled.max_learners": 3,

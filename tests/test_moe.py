@@ -14,6 +14,7 @@ from decoupled_diloco.island import Island
 from decoupled_diloco.models import moe
 from decoupled_diloco.models.mesh import make_island_mesh
 from decoupled_diloco.models.transformer import Transformer
+from decoupled_diloco.tasks import model_config
 
 
 def _reference_dispatch(experts_GSK, num_experts, capacity):
@@ -80,8 +81,9 @@ def _models(num_layers=2):
     moe_cfg = config_lib.MoEConfig(num_experts=1, top_k=1, capacity_factor=1.0)
     mesh = make_island_mesh((1, 1), jax.devices()[:1])
     with jax.set_mesh(mesh):  # the sharding annotations need a mesh
-        dense = Transformer(config.model, nnx.Rngs(0))
-        sparse = moe.MoETransformer(config.model, moe_cfg, nnx.Rngs(1))
+        model_cfg = model_config(config)  # the vocabulary from the data (256 bytes)
+        dense = Transformer(model_cfg, nnx.Rngs(0))
+        sparse = moe.MoETransformer(model_cfg, moe_cfg, nnx.Rngs(1))
     dense_params = nnx.to_pure_dict(nnx.state(dense, nnx.Param))
     sparse_params = nnx.to_pure_dict(nnx.state(sparse, nnx.Param))
     return config, dense, sparse, dense_params, sparse_params

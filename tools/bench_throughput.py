@@ -31,12 +31,13 @@ from decoupled_diloco.data import text as data  # noqa: E402
 from decoupled_diloco.island import Island  # noqa: E402
 from decoupled_diloco.models.transformer import Transformer, lm_loss  # noqa: E402
 from decoupled_diloco.optim import make_inner_optimizer  # noqa: E402
+from decoupled_diloco.tasks import model_config  # noqa: E402
 
 WINDOW, WINDOWS, WARMUP = 20, 6, 3
 
 
 def _bare_step(config: config_lib.ExperimentConfig):
-    model = Transformer(config.model, nnx.Rngs(0))
+    model = Transformer(model_config(config), nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_inner_optimizer(config)
     opt_state = tx.init(params)

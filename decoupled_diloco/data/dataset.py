@@ -16,6 +16,7 @@ plain generator or numpy iterator works too, but only in runs without checkpoint
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any, Protocol, runtime_checkable
 
@@ -203,3 +204,50 @@ def model_vocab_size(config: ExperimentConfig) -> int:
             f"vocabulary {size} of {path}; set model.vocab_size to a multiple of both"
         )
     return size
+
+
+DATA_STAMP = "data.json"  # in a workdir: the data its checkpoints were trained on
+
+
+def data_identity(config: ExperimentConfig) -> dict[str, str] | None:
+    """What names `config.data`'s token stream: the tokenizer's digest and the corpus's.
+
+    A prepared directory's come from its manifest (nothing else is read); the byte corpus is
+    "bytes:raw"; a user's task or an image set: None.
+    """
+    if config.task or config.data.dataset != "text":
+        return None
+    if not shards_lib.is_prepared(config.data.path):
+        return {"tokenizer": "bytes:raw"}
+    manifest = shards_lib.read_manifest(pathlib.Path(config.data.path))
+    return packed.identity(manifest)
+
+
+def check_workdir_data(config: ExperimentConfig, workdir: pathlib.Path) -> None:
+    """Refuses to resume `workdir` on other data than it was trained on; records the data.
+
+    Raises:
+      ConfigError: the workdir's `data.json` names another tokenizer or corpus.
+    """
+    identity = data_identity(config)
+    if identity is None:
+        return
+    stamp = workdir / DATA_STAMP
+    if stamp.is_file() and config.checkpoint.every:  # (without checkpoints: nothing to resume)
+        saved = json.loads(stamp.read_text())
+        if saved.get("tokenizer") != identity["tokenizer"]:
+            raise ConfigError(
+                f"config.data.path: {workdir} was trained on data tokenized by "
+                f"{saved.get('tokenizer')!r}; {config.data.path or 'the byte corpus'} is "
+                f"tokenized by {identity['tokenizer']!r}. Resume on the data it was trained on, "
+                "or use a fresh workdir"
+            )
+        if saved.get("corpus") != identity.get("corpus"):
+            raise ConfigError(
+                f"config.data.path: {workdir} was trained on corpus {saved.get('corpus')!r}; "
+                f"{config.data.path} holds corpus {identity.get('corpus')!r} (prepared again?). "
+                "Resume on the data it was trained on, or use a fresh workdir"
+            )
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps({**identity, "path": str(config.data.path)}) + "\n")

@@ -36,6 +36,15 @@ def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
+def identity(manifest: dict[str, Any]) -> dict[str, str]:
+    """The tokenizer's digest and the corpus's (a digest of every shard's SHA-256)."""
+    checksums = json.dumps([s["sha256"] for s in manifest["shards"]]).encode()
+    return {
+        "tokenizer": manifest["tokenizer"]["digest"],
+        "corpus": hashlib.sha256(checksums).hexdigest()[:16],
+    }
+
+
 class TokenStream:
     """A split's shards as one stream of tokens with its document starts."""
 
@@ -162,11 +171,7 @@ class PreparedDataset:
             split: TokenStream(shards_lib.open_shards(self.directory, self.manifest, split, verify))
             for split in shards_lib.SPLITS
         }
-        checksums = json.dumps([s["sha256"] for s in self.manifest["shards"]]).encode()
-        self.identity = {
-            "tokenizer": self.tokenizer_info["digest"],
-            "corpus": hashlib.sha256(checksums).hexdigest()[:16],
-        }
+        self.identity = identity(self.manifest)
         fingerprint = f"{self.identity['tokenizer']}/{self.identity['corpus']}"
         self.windows = {s: PackedWindows(v, seq_len, fingerprint) for s, v in self.streams.items()}
 

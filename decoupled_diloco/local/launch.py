@@ -30,6 +30,7 @@ from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm.shards import syncer_client
 from decoupled_diloco.core.compression import ring_allreduce_bytes
+from decoupled_diloco.data import dataset as dataset_lib
 from decoupled_diloco.local import chaos_run, poll, wan
 from decoupled_diloco.local import supervisor as supervisor_lib
 from decoupled_diloco.local.commands import (
@@ -159,6 +160,8 @@ def run_decoupled(
     port_file = workdir / "syncer.port"
     port_file.unlink(missing_ok=True)
     task = task or tasks.make_task(config)  # fails here, before any process starts
+    if corpus is None and task.dataset is None:
+        dataset_lib.check_workdir_data(config, workdir)
     procs = Processes(
         workdir / "logs",
         {**child_env(token), **chaos_env, "PYTHONPATH": tasks.python_path(config)},
