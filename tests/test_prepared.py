@@ -326,18 +326,19 @@ def test_an_empty_corpus_and_an_unfinished_or_foreign_directory_are_refused(tmp_
         prepare.prepare([str(tmp_path / "nope.jsonl")], tmp_path / "n", log=lambda _: None)
 
 
+def _prepare_docs(out, tokenizer, shard_tokens=1 << 26):
+    """120 short documents prepared into `out` with `tokenizer`."""
+    docs = [f"document {i}: " + "some words of text " * (i % 7 + 3) for i in range(120)]
+    out.mkdir(parents=True)
+    source = _jsonl(out.parent / f"{out.name}.jsonl", docs)
+    prepare.prepare([str(source)], out, tokenizer, val_fraction=0.2, shard_tokens=shard_tokens,
+                    log=lambda _: None)  # fmt: skip
+    return out
+
+
 @pytest.fixture
 def prepared(tmp_path):
-    docs = [f"document {i}: " + "some words of text " * (i % 7 + 3) for i in range(120)]
-    out = tmp_path / "prepared"
-    prepare.prepare(
-        [str(_jsonl(tmp_path / "d.jsonl", docs))],
-        out,
-        val_fraction=0.2,
-        shard_tokens=3000,
-        log=lambda _: None,
-    )
-    return out
+    return _prepare_docs(tmp_path / "prepared", "bytes", shard_tokens=3000)
 
 
 def test_a_truncated_or_corrupted_shard_or_another_version_is_named(prepared):
@@ -387,15 +388,7 @@ def test_a_data_position_saved_on_other_data_is_refused(tmp_path, prepared, bpe)
     again = data.train_iterator(4, 0, 2, seed=0)
     again.set_state(state)
     np.testing.assert_array_equal(next(again)["tokens"], next(it)["tokens"])
-    docs = [f"document {i}: " + "some words of text " * (i % 7 + 3) for i in range(120)]
-    other = tmp_path / "other"
-    prepare.prepare(
-        [str(_jsonl(tmp_path / "o.jsonl", docs))],
-        other,
-        str(bpe.path),
-        val_fraction=0.2,
-        log=lambda _: None,
-    )
+    other = _prepare_docs(tmp_path / "other", str(bpe.path))
     foreign = packed.PreparedDataset(other, seq_len=16).train_iterator(4, 0, 2, seed=0)
     with pytest.raises(packed.DataMismatchError, match="tokenized by 'bytes:v1'"):
         foreign.set_state(state)
@@ -418,15 +411,7 @@ def test_a_run_resumed_on_data_of_another_tokenizer_is_refused(tmp_path, prepare
     result = train_and_evaluate(config, tmp_path / "run")
     assert result.summary["corpus"]["tokenizer_digest"] == "bytes:v1"
     assert np.isfinite(result.summary["final_eval_loss"])
-    docs = [f"document {i}: " + "some words of text " * (i % 7 + 3) for i in range(120)]
-    other = tmp_path / "other"
-    prepare.prepare(
-        [str(_jsonl(tmp_path / "o.jsonl", docs))],
-        other,
-        str(bpe.path),
-        val_fraction=0.2,
-        log=lambda _: None,
-    )
+    other = _prepare_docs(tmp_path / "other", str(bpe.path))
     moved = config_lib.replace(config, **{"data.path": str(other)})
     with pytest.raises(config_lib.ConfigError, match="tokenized by 'bytes:v1'.*fresh workdir"):
         train_and_evaluate(moved, tmp_path / "run")

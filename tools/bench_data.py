@@ -11,11 +11,11 @@ Everything it reads is generated here (under --workdir, deleted at the end unles
   * the bare tokenizer: the same `tokenizer.json`'s `encode_batch_fast` (what prepare calls),
     in this process, over the same documents in the same ~4 MB batches, only the calls timed;
   * the loader: `PreparedDataset.train_iterator` at sequence 1024, batch 32, one learner;
-  * the data wait: `lm_125m` (float32 on CPU, batch 8, sequence 1024) on the prepared corpus,
+  * the data wait: `lm_125m` (float32 on CPU with remat, batch 2, sequence 1024) on the corpus,
     the time `next(iterator)` takes beside the time of the compiled step;
-  * memory: the same `tiny_lm` dp learner (`experiments.train`, 300 steps, batch 32, sequence
+  * memory: the same `tiny_lm` dp learner (`experiments.train`, 200 steps, batch 8, sequence
     1024) on a prepared corpus of 10 MB and of `--big_gb` GB (the JSONL's tokens repeated into
-    shards), its peak RSS (`ru_maxrss` of the process).
+    shards), its peak RSS (the process's own VmHWM).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from decoupled_diloco.data import tokenizer as tokenizer_lib  # noqa: E402
 from decoupled_diloco.data.text import default_corpus_root  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# lm_125m's batch for the data wait: 8 x 1024 in float32 is more than this host's 24 GB.
+DATA_WAIT_BATCH = 2
 
 
 def _write_jsonl(path: pathlib.Path, gigabytes: float) -> int:
@@ -109,14 +111,21 @@ def _data_wait(directory: pathlib.Path, steps: int) -> tuple[float, float]:
     from tools.device_check import _config
 
     config = config_lib.replace(
-        _config("125m", 8, 1024),
+        _config("125m", DATA_WAIT_BATCH, 1024),
         num_learners=1,
-        **{"model.dtype": "float32", "data.path": str(directory), "model.vocab_size": 0},
+        # float32 (bfloat16 is emulated on CPU), remat: activation memory of one block.
+        **{
+            "model.dtype": "float32",
+            "model.remat": True,
+            "data.path": str(directory),
+            "model.vocab_size": 0,
+        },
     )
     island = Island(config, jax.devices()[:1])
     data = packed.PreparedDataset(directory, seq_len=1024, verify=False)
-    it = data.train_iterator(8, 0, 1, seed=0)
+    it = data.train_iterator(DATA_WAIT_BATCH, 0, 1, seed=0)
     state = island.init(0)
+    next(it)  # the reader thread started
     state, loss = island.step(state, next(it))  # compiles
     jax.block_until_ready(loss)
     waits, steps_s = [], []
@@ -167,23 +176,28 @@ def _repeat_corpus(source: pathlib.Path, target: pathlib.Path, gigabytes: float)
 
 def _learner_rss(directory: pathlib.Path, workdir: pathlib.Path, steps: int) -> dict[str, float]:
     """Peak RSS (MB) of one dp tiny_lm learner process training on `directory`."""
+    # The child reports its own VmHWM: ru_maxrss from wait4 would include this process's
+    # memory at the fork (Linux carries it across exec).
+    report = (
+        "import atexit, runpy, sys; atexit.register(lambda: print('VMHWM_KB', "
+        "open('/proc/self/status').read().split('VmHWM:')[1].split()[0], flush=True)); "
+        "sys.argv = ['experiments.train', *sys.argv[1:]]; "
+        "runpy.run_module('experiments.train', run_name='__main__')"
+    )
     cmd = [
-        sys.executable, "-m", "experiments.train", "--config=experiments/configs/tiny_lm.py",
+        sys.executable, "-c", report, "--config=experiments/configs/tiny_lm.py",
         f"--workdir={workdir}", "--config.mode=dp", "--config.num_learners=1",
         f"--config.data.path={directory}", f"--config.train_steps={steps}",
-        "--config.data.batch_size=32", "--config.model.seq_len=1024", "--config.eval.every=0",
+        "--config.data.batch_size=8", "--config.model.seq_len=1024", "--config.eval.every=0",
         "--config.eval.batches=1", "--config.checkpoint.every=0", "--config.log_every=100",
     ]  # fmt: skip
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    out = proc.stdout.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status:
-        raise RuntimeError(f"learner failed ({status}):\n{out[-3000:]}")
-    return {"peak_mb": usage.ru_maxrss / 1024, "wall_s": time.perf_counter() - start}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"learner failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    peak_kb = int(done.stdout.rsplit("VMHWM_KB", 1)[1].split()[0])
+    return {"peak_mb": peak_kb / 1024, "wall_s": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -192,7 +206,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/dd_bench_data")
     parser.add_argument("--jsonl_gb", type=float, default=1.0)
     parser.add_argument("--big_gb", type=float, default=10.0)
-    parser.add_argument("--rss_steps", type=int, default=300)
+    parser.add_argument("--rss_steps", type=int, default=200)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
     work = pathlib.Path(args.workdir)
@@ -262,10 +276,11 @@ def main() -> None:
         "tokenizer calls alone.",
         f"- Loader: **{loader / 1e6:.2f}M tokens/s** out of the memory-mapped shards at sequence "
         "1024, batch 32, one learner, one process (goal >= 5M per host).",
-        f"- Data wait of `lm_125m` (float32, CPU, batch 8 x 1024): {1e3 * wait_s:.2f} ms per batch "
+        f"- Data wait of `lm_125m` (float32 with remat, CPU, batch {DATA_WAIT_BATCH} x 1024): "
+        f"{1e3 * wait_s:.2f} ms per batch "
         f"beside a {step_s:.2f} s step: **{100 * wait_s / (wait_s + step_s):.3f}%** of the step "
         "(target <= 1%).",
-        f"- Memory, `tiny_lm` dp learner, {args.rss_steps} steps of 32 x 1024 tokens: peak RSS "
+        f"- Memory, `tiny_lm` dp learner, {args.rss_steps} steps of 8 x 1024 tokens: peak RSS "
         f"**{rss_small['peak_mb']:,.0f} MB** on a 10 MB corpus, **{rss_big['peak_mb']:,.0f} MB** "
         f"on {big_bytes / 1e9:.1f} GB: **{100 * (growth - 1):+.1f}%** "
         f"(target within 5%). Opening the big corpus with every SHA-256 checked took "

@@ -49,6 +49,9 @@ class TokenStream:
     """A split's shards as one stream of tokens with its document starts."""
 
     def __init__(self, shards: list[shards_lib.Shard]):
+        # Plain ndarray views of the maps: np.memmap's own indexing costs more than the read.
+        self.tokens = [s.tokens_N.view(np.ndarray) for s in shards]
+        self.offsets = [s.offsets_D1.view(np.ndarray) for s in shards]
         self.shards = shards
         sizes = [len(s.tokens_N) for s in shards]
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
@@ -64,12 +67,13 @@ class TokenStream:
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         done = 0
         while done < length:
-            s, local = self.shards[shard], start + done - int(self.starts[shard])
-            take = min(length - done, len(s.tokens_N) - local)
-            tokens[done : done + take] = s.tokens_N[local : local + take]
-            first = int(np.searchsorted(s.offsets_D1, local, side="left"))
-            last = int(np.searchsorted(s.offsets_D1, local + take, side="left"))
-            starts[done + np.asarray(s.offsets_D1[first:last], np.int64) - local] = True
+            data, offsets = self.tokens[shard], self.offsets[shard]
+            local = start + done - int(self.starts[shard])
+            take = min(length - done, len(data) - local)
+            tokens[done : done + take] = data[local : local + take]
+            # (uint64 keys: a Python int would make numpy convert the whole index to compare)
+            first, last = offsets.searchsorted(np.array([local, local + take], np.uint64))
+            starts[done + offsets[first:last].astype(np.int64) - local] = True
             done += take
             shard += 1
         return tokens, starts
@@ -205,7 +209,10 @@ class PreparedDataset:
         batches = (
             shard.shuffle(seed=seed + learner_id).repeat().batch(batch_size, drop_remainder=True)
         )
-        return CheckedIterator(iter(batches.to_iter_dataset()), self.identity)
+        # One reader thread: the window reads hold the GIL, so more threads only contend
+        # (1 thread: 6.3M tokens/s at sequence 1024, batch 32; grain's default 16: 2.3M).
+        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+        return CheckedIterator(iter(batches.to_iter_dataset(options)), self.identity)
 
     def validation_batches(self, batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
         """The first `num_batches` batches of windows spread evenly over the validation split.
