@@ -124,6 +124,7 @@ class Shard:
     name: str
     tokens_N: np.ndarray
     offsets_D1: np.ndarray
+    path: pathlib.Path
 
 
 def read_manifest(directory: pathlib.Path) -> dict[str, Any]:
@@ -197,5 +198,5 @@ def open_shards(
                     raise PreparedDataError(
                         f"{path}: its SHA-256 is not the manifest's (the file is corrupted)"
                     )
-        shards.append(Shard(entry["name"], tokens, offsets))
+        shards.append(Shard(entry["name"], tokens, offsets, token_path))
     return shards
