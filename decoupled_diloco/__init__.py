@@ -26,6 +26,9 @@ _EXPORTS = {
     # Running an experiment: one entry point for every mode.
     "train_and_evaluate": "decoupled_diloco.train",
     "RunResult": "decoupled_diloco.train",
+    # Fake CPU devices for a session that wants more learners than it has devices (before
+    # JAX starts; `train_and_evaluate` does it itself when it can).
+    "configure_cpu_devices": "decoupled_diloco.runtime",
     # Configuration.
     "ExperimentConfig": "decoupled_diloco.config",
     "ModelConfig": "decoupled_diloco.config",

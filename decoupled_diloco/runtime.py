@@ -56,6 +56,13 @@ def configure_cpu_devices(num_devices: int) -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
 
 
+def jax_started() -> bool:
+    """Whether this process's JAX backends are up (then XLA_FLAGS no longer take effect)."""
+    from jax._src import xla_bridge  # no public equivalent in jax 0.10
+
+    return xla_bridge.backends_are_initialized()
+
+
 def share_accelerators() -> None:
     """Lets several JAX processes of one host share its accelerators (before JAX starts).
 

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from decoupled_diloco import config as config_lib
-from decoupled_diloco import tasks
+from decoupled_diloco import runtime, tasks
 from decoupled_diloco.core.compression import ring_allreduce_bytes
 from decoupled_diloco.data import dataset as dataset_lib
 from decoupled_diloco.models.transformer import count_params
@@ -115,6 +115,23 @@ def _user_task(
     return config, task
 
 
+def _default_devices(config: config_lib.ExperimentConfig) -> list[jax.Device]:
+    """Every device; on CPU before JAX starts, first as many fake ones as the learners need."""
+    needed = config.num_learners * config.devices_per_learner
+    if not runtime.jax_started():
+        runtime.configure_cpu_devices(needed)
+    devices = jax.devices()
+    if len(devices) < needed and devices[0].platform == "cpu":
+        raise config_lib.ConfigError(
+            f"num_learners: {config.num_learners} learners x mesh.shape {config.mesh.shape} "
+            f"need {needed} CPU devices, but JAX already started in this process with "
+            f"{len(devices)}, and XLA_FLAGS cannot change that now: restart the Python session "
+            f"(in a notebook, the kernel) and call dd.configure_cpu_devices({needed}) before "
+            "anything uses JAX, or pass devices= (a learner per slice of them)"
+        )
+    return devices
+
+
 def train_and_evaluate(
     config: config_lib.ExperimentConfig,
     workdir: str | pathlib.Path | None,
@@ -137,7 +154,9 @@ def train_and_evaluate(
     Args:
       config: the experiment; validated (including the device count) before anything compiles.
       workdir: where metrics, summary and checkpoints go; None keeps everything in memory.
-      devices: devices to use (default: all); learner i gets the i-th slice.
+      devices: devices to use (default: all; on CPU, when JAX has not started yet in this
+        process, as many fake devices as the learners need are made first); learner i gets
+        the i-th slice.
       stop_after: stop (with a checkpoint) after this global step, as a preemption would.
       corpus: pre-loaded data, a text corpus or an image set (default: load `config.data`).
       supervised_controls: set in the child process a fault supervisor runs (see
@@ -153,13 +172,15 @@ def train_and_evaluate(
     Returns:
       The summary and the final global parameters (host arrays).
     """
+    # Paths are the caller's: resolved here, before any child process (run from elsewhere).
+    config = config_lib.absolute_paths(config)
     config, task = _user_task(config, task, inner_optimizer, dataset)
     if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
         from decoupled_diloco.local.launch import run_decoupled
 
         summary, params, monitor = run_decoupled(config, workdir, corpus=corpus, task=task)
         return RunResult(summary=summary, params=params, monitor=monitor)
-    devices = list(devices if devices is not None else jax.devices())
+    devices = list(devices if devices is not None else _default_devices(config))
     config_lib.validate(config, device_count=len(devices))
     supervised = supervised_controls is not None  # the process a supervisor runs
     if config.chaos and not supervised:

@@ -57,3 +57,29 @@ def test_cli_rejects_a_bad_config_naming_the_field(tmp_path):
     assert proc.returncode != 0
     assert "config.inner_steps: H must be >= 1" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "flag, says",
+    [
+        ("--config.inner_stepz=3", 'Did you mean "inner_steps"'),
+        ("--config.num_learners=0", "config.num_learners: must be >= 1"),
+        ("--config.data.path=no_such_folder", "no_such_folder does not exist"),
+        ("--config=no_such_config.py", "--config=no_such_config.py: cannot be loaded"),
+    ],
+)
+def test_cli_errors_are_a_line_on_stderr_and_exit_code_2(tmp_path, flag, says):
+    proc = _run([*TINY, flag], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert says in proc.stderr
+    assert "Traceback" not in proc.stderr and "--workdir" not in proc.stderr  # no flags' help
+    assert len(proc.stderr.strip().splitlines()) <= 2, proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_decoupled_run_checks_its_data_before_any_process_starts(tmp_path):
+    args = ["--config.mode=decoupled", "--config.decoupled.fragments=1", "--config.data.path=nope"]
+    proc = _run([*TINY, *args], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "nope does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "logs").exists()  # no syncer, no learner was started

@@ -73,3 +73,27 @@ def test_validation_batches_are_fixed_and_checked(corpus):
         np.testing.assert_array_equal(x, y)
     with pytest.raises(ValueError, match="config.eval.batches"):
         data.validation_batches(corpus.val_BN[:1000], 32, 4, 100)
+
+
+def test_a_small_folder_still_holds_out_a_file(tmp_path):
+    for i in range(11):  # the hash of 11 names at 5% holds none out
+        (tmp_path / f"f{i:02d}.txt").write_text(f"file {i} " * 50)
+    assert not any(data.is_validation(f"f{i:02d}.txt", 0.05) for i in range(11))
+    a = data.load_corpus(str(tmp_path), val_fraction=0.05)
+    b = data.load_corpus(str(tmp_path), val_fraction=0.05)
+    np.testing.assert_array_equal(a.val_BN, b.val_BN)
+    assert a.num_files == 11 and 0 < len(a.val_BN) < len(a.train_BN) / 5  # one file of 11
+
+
+def test_structured_files_are_sent_to_prepare_not_read_as_bytes(tmp_path):
+    from decoupled_diloco.config import ConfigError
+
+    (tmp_path / "docs").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "docs" / name).write_text('{"text": "hello"}\n')
+    with pytest.raises(ConfigError, match=r"0 text files \(counted: \.md, \.py.*\.jsonl.*prepare"):
+        data.load_corpus(str(tmp_path / "docs"))
+    for name in ("one.jsonl", "one.parquet", "one.jsonl.zst"):
+        (tmp_path / name).write_bytes(b"PAR1")
+        with pytest.raises(ConfigError, match="decoupled_diloco.data.prepare --input="):
+            data.load_corpus(str(tmp_path / name))

@@ -5,9 +5,11 @@ waits on step counts and states (generous deadlines, no fixed sleeps), and reaps
 it started even when it fails.
 """
 
+import email
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from tests.helpers import assert_budget_trained_once, popen_logged, tail, wait_u
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multiprocess-test-token"
 TINY = [
-    "--config=experiments/configs/tiny_lm.py",
+    f"--config={ROOT / 'experiments/configs/tiny_lm.py'}",
     "--config.mode=decoupled",
     "--config.model.d_model=32",
     "--config.model.mlp_hidden=64",
@@ -64,14 +66,15 @@ _SIGINT_IGNORED = (
 )
 
 
-def _launch(workdir, *args, sigint_ignored=False):
+def _launch(workdir, *args, sigint_ignored=False, cwd=ROOT):
     """The launcher, its output in `workdir/launcher.log` (`_output`)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["DD_RUN_TOKEN"] = TOKEN
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *TINY, *args]
     if sigint_ignored:
         command = [sys.executable, "-c", _SIGINT_IGNORED, *command]
-    return popen_logged(command, workdir / "launcher.log", cwd=ROOT, env=env)
+    return popen_logged(command, workdir / "launcher.log", cwd=cwd, env=env)
 
 
 def _output(workdir, chars=3000):
@@ -88,11 +91,18 @@ def _cleanup(proc, workdir):
 
 
 def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
+    # Started from the user's own directory with a relative data.path: the children (run from
+    # the package's root) read the same folder.
+    user = tmp_path / "user"
+    shutil.copytree(pathlib.Path(json.__file__).parent, user / "mytext" / "json")
+    shutil.copytree(pathlib.Path(email.__file__).parent, user / "mytext" / "email")
     proc = _launch(
         tmp_path,
         "--config.train_steps=64",
         "--config.decoupled.mesh_shapes=1x1,2x1",
         "--config.eval.every=32",
+        "--config.data.path=mytext",
+        cwd=user,
     )
     try:
         proc.wait(timeout=240)
@@ -101,6 +111,7 @@ def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
         for key in ("mode", "num_learners", "inner_steps", "tokens", "wall_s", "final_eval_loss"):
             assert key in summary
         assert summary["mode"] == "decoupled" and summary["num_learners"] == 2
+        assert summary["corpus"]["root"] == str(user / "mytext"), summary["corpus"]
         # Tokens trained: the budget, and again whatever a lease handed again was retrained
         # (data leases: the ledger below shows the data in the global model exactly once).
         assert summary["tokens"] == 8 * 32 * sum(x["steps"] for x in summary["learners"])

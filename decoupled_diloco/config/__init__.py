@@ -138,6 +138,24 @@ def from_config_dict(values: Mapping[str, Any] | ml_collections.ConfigDict) -> E
     return config
 
 
+def absolute_paths(config: ExperimentConfig, cwd: str | pathlib.Path = ".") -> ExperimentConfig:
+    """`config` with its file paths (`data.path`, `chaos`) resolved against `cwd`.
+
+    Entry points call it before any child process starts: children run from elsewhere (the
+    launcher's from the package's root), so a relative path must mean the caller's file.
+    """
+    base = pathlib.Path(cwd).absolute()
+
+    def resolve(path: str) -> str:
+        return str(base / pathlib.Path(path).expanduser()) if path else path
+
+    return dataclasses.replace(
+        config,
+        chaos=resolve(config.chaos),
+        data=dataclasses.replace(config.data, path=resolve(config.data.path)),
+    )
+
+
 def replace(config: ExperimentConfig, **overrides: Any) -> ExperimentConfig:
     """A validated copy with dotted-path overrides, e.g. `replace(c, **{"outer.lr": 0.5})`."""
     values = dataclasses.asdict(config)

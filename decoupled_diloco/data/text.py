@@ -6,7 +6,10 @@ present on every machine, no download. Any text file or folder can be used throu
 Rules a run relies on:
   * Train/validation split is by file, decided by a hash of the file's path relative to the
     corpus root, so it is the same on every machine and does not shift when files are added.
+    When the hash holds out no file of a small folder, the file with the lowest hash is held
+    out (and when it holds out every file, the one with the highest trains).
     A single-file corpus is split by bytes instead: its last `val_fraction` is validation.
+    JSONL, Parquet and other structured files are not text: `data.prepare` tokenizes them.
   * Training windows are cut every `seq_len` bytes (each window holds `seq_len + 1` tokens, the
     last one overlapping the next window's first, for next-token targets). Learner `i` of `M`
     owns windows `i, i + M, i + 2M, ...`: shards are disjoint and cover all windows but a tail.
@@ -25,8 +28,22 @@ import zlib
 import grain
 import numpy as np
 
+from decoupled_diloco.config import ConfigError
+
 _EXCLUDED_DIRS = {"test", "tests", "idlelib", "__pycache__", "site-packages"}
 _TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
+# Files that hold documents in a structure, not text to read as bytes: `data.prepare`'s inputs.
+_STRUCTURED_SUFFIXES = {
+    ".jsonl",
+    ".ndjson",
+    ".json",
+    ".parquet",
+    ".arrow",
+    ".gz",
+    ".zst",
+    ".bz2",
+    ".xz",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +79,23 @@ def is_validation(key: str, val_fraction: float) -> bool:
     return zlib.crc32(key.encode()) % 10_000 < val_fraction * 10_000
 
 
+_PREPARE_FIRST = (
+    "holds documents in a structure (JSONL, Parquet, compressed), not text to train on as "
+    "bytes: tokenize it once with `python -m decoupled_diloco.data.prepare --input={path} "
+    "--output=DIR` and set data.path=DIR (docs/data.md)"
+)
+
+
+def _held_out(keys: list[str], val_fraction: float) -> set[str]:
+    """The keys held out by `is_validation`; never none nor all of two or more keys."""
+    held_out = {k for k in keys if is_validation(k, val_fraction)}
+    if len(keys) >= 2 and not held_out:
+        held_out = {min(keys, key=lambda k: (zlib.crc32(k.encode()), k))}
+    elif len(keys) >= 2 and len(held_out) == len(keys):
+        held_out.discard(max(keys, key=lambda k: (zlib.crc32(k.encode()), k)))
+    return held_out
+
+
 def load_corpus(path: str = "", val_fraction: float = 0.05) -> Corpus:
     """Reads a corpus as bytes (token ids 0..255) and splits it into train and validation.
 
@@ -72,27 +106,40 @@ def load_corpus(path: str = "", val_fraction: float = 0.05) -> Corpus:
 
     Raises:
       FileNotFoundError: `path` does not exist.
-      ValueError: the corpus holds no usable text.
+      ConfigError: the corpus holds no usable text, or is a file to prepare first.
     """
     root = pathlib.Path(path) if path else default_corpus_root()
     if not root.exists():
         raise FileNotFoundError(f"config.data.path: {root} does not exist")
     if root.is_file():
+        if root.suffix.lower() in _STRUCTURED_SUFFIXES:
+            raise ConfigError(f"config.data.path: {root} {_PREPARE_FIRST.format(path=root)}")
         data = np.frombuffer(root.read_bytes(), dtype=np.uint8)
         split = int(len(data) * (1.0 - val_fraction))
         train, val, num_files = data[:split], data[split:], 1
     else:
         files = _corpus_files(root)
-        train_parts, val_parts = [], []
-        for file in files:
-            chunk = file.read_bytes() + b"\n\n"
-            relative = file.relative_to(root).as_posix()
-            (val_parts if is_validation(relative, val_fraction) else train_parts).append(chunk)
-        if not train_parts or not val_parts:
-            raise ValueError(
-                f"config.data.path: {root} has {len(files)} text files; need at least one for "
-                "training and one for validation (adjust data.val_fraction or add files)"
+        if len(files) < 2:
+            structured = sorted(
+                {p.suffix for p in root.rglob("*") if p.suffix.lower() in _STRUCTURED_SUFFIXES}
             )
+            hint = (
+                f"; it holds {', '.join(structured)} files, which "
+                + _PREPARE_FIRST.format(path=root)
+                if structured
+                else ""
+            )
+            raise ConfigError(
+                f"config.data.path: {root} has {len(files)} text files (counted: "
+                f"{', '.join(sorted(_TEXT_SUFFIXES))}, outside {', '.join(sorted(_EXCLUDED_DIRS))}"
+                f" folders); need two or more, or name one file{hint}"
+            )
+        relatives = [f.relative_to(root).as_posix() for f in files]
+        held_out = _held_out(relatives, val_fraction)
+        train_parts, val_parts = [], []
+        for file, relative in zip(files, relatives, strict=True):
+            chunk = file.read_bytes() + b"\n\n"
+            (val_parts if relative in held_out else train_parts).append(chunk)
         train = np.frombuffer(b"".join(train_parts), dtype=np.uint8)
         val = np.frombuffer(b"".join(val_parts), dtype=np.uint8)
         num_files = len(files)

@@ -162,6 +162,8 @@ def run_decoupled(
     task = task or tasks.make_task(config)  # fails here, before any process starts
     if corpus is None and task.dataset is None:
         dataset_lib.check_workdir_data(config, workdir)
+    # The data is read (and so checked) here, before any process starts; the evaluator uses it.
+    data = dataset_lib.load_dataset(config, corpus, task)
     procs = Processes(
         workdir / "logs",
         {**child_env(token), **chaos_env, "PYTHONPATH": tasks.python_path(config)},
@@ -246,7 +248,7 @@ def run_decoupled(
         supervisor.start_thread()
         if schedule is not None:
             injector = chaos_run.start_injector(schedule, supervisor, workdir, client)
-        evaluator = GlobalEvaluator(config, client, corpus, task)
+        evaluator = GlobalEvaluator(config, client, data, task)
         status = poll.watch(config, supervisor, client, evaluator, workdir, t_start, progress_s)
         if injector is not None:
             injector.halt.set()
