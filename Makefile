@@ -9,16 +9,28 @@ export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS ?= 0
 export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES ?= 0
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv lock wheel demo test lint format bench clean
 
 venv: $(STAMP)
 
 # PYTHONWARNINGS: setuptools' build warnings (editable install) are about packaging, not the user.
-$(STAMP): pyproject.toml setup.cfg
+# The lock (exact versions, what the tests ran with) constrains pyproject.toml's ranges.
+$(STAMP): pyproject.toml setup.cfg requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -e '.[dev]'
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -c requirements.lock -e '.[dev]'
 	touch $(STAMP)
+
+# After a change to pyproject.toml's dependencies: the newest versions in its ranges, locked.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	PYTHONWARNINGS=ignore .venv-lock/bin/pip install --quiet -e '.[dev]'
+	{ sed -n 1,2p requirements.lock; .venv-lock/bin/pip freeze --exclude-editable; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock && rm -rf .venv-lock
+
+# A wheel to install elsewhere (a Colab runtime, a cluster image): dist/decoupled_diloco-*.whl.
+wheel: venv
+	$(PY) -m pip wheel --quiet --no-deps -w dist .
 
 demo: venv
 	$(PY) -m experiments.train --config=experiments/configs/demo.py --workdir=$(WORKDIR)

@@ -23,6 +23,7 @@ from decoupled_diloco.core.compression import ring_allreduce_bytes
 from decoupled_diloco.data import dataset as dataset_lib
 from decoupled_diloco.models.transformer import count_params
 from decoupled_diloco.obs import timeline as timeline_lib
+from decoupled_diloco.obs import workdir as workdir_lib
 from decoupled_diloco.obs.metrics import MetricsWriter, Progress, write_summary
 from decoupled_diloco.trainers import DataParallelTrainer, DiLoCoTrainer
 
@@ -175,6 +176,8 @@ def train_and_evaluate(
     # Paths are the caller's: resolved here, before any child process (run from elsewhere).
     config = config_lib.absolute_paths(config)
     config, task = _user_task(config, task, inner_optimizer, dataset)
+    if workdir is not None:
+        workdir_lib.check_workdir_run(config, pathlib.Path(workdir))
     if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
         from decoupled_diloco.local.launch import run_decoupled
 

@@ -38,6 +38,9 @@ class TensorBoardWriter:
     def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
         self.root = pathlib.Path(workdir) / TB_DIR
         self.resume_step = resume_step
+        if resume_step == 0 and self.root.is_dir():  # a fresh run: no curve of an earlier one
+            for old in self.root.glob("*/events.out.tfevents.*"):
+                old.unlink()
         self.t0 = time.time()
         self._writers: dict[str, Any] = {}
 
