@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -190,18 +191,53 @@ class Island:
         trainable = select(state.params, self.trainable_mask, True)
         fixed = select(state.params, self.trainable_mask, False)
 
-        def loss_of(trainable: Params) -> tuple[jax.Array, tuple]:
-            loss, (synced, local, _) = self.task.train_loss(
-                self.graphdef, combine(trainable, fixed), state.local, batch
-            )
-            return loss, (synced, local)
+        def grad_of(fixed: Params, local: Any, batch: Batch) -> tuple:
+            def loss_of(trainable: Params) -> tuple[jax.Array, tuple]:
+                loss, (synced, local_out, _) = self.task.train_loss(
+                    self.graphdef, combine(trainable, fixed), local, batch
+                )
+                return loss, (synced, local_out)
 
-        (loss, (synced, local)), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+            return jax.value_and_grad(loss_of, has_aux=True)(trainable)
+
+        count = self.config.optim.microbatches
+        if count == 1:
+            (loss, (synced, local)), grads = grad_of(fixed, state.local, batch)
+        else:  # the batch's rows i, i + k, ... are microbatch i (a slice of every data shard)
+            (loss, (synced, local)), grads = self._accumulate(grad_of, fixed, state, batch, count)
         updates, opt_state = self.tx.update(grads, state.opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         # Statistics the forward pass updated (BatchNorm) are kept; gradients never move them.
         params = combine(trainable, select(synced, self.trainable_mask, False))
         return InnerState(params, opt_state, local), loss
+
+    def _accumulate(self, grad_of: Any, fixed: Params, state: InnerState, batch: Batch, k: int):
+        """`grad_of` over `k` microbatches in a `lax.scan`: the mean loss and gradient.
+
+        Activations are those of one microbatch. Statistics a forward pass updates (BatchNorm)
+        and the local state (RNG keys) go from one microbatch to the next, as over steps.
+        """
+        sharding = NamedSharding(self.mesh, P(None, self.task.batch_spec[0]))
+        micro = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(
+                x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), sharding
+            ),
+            batch,
+        )
+
+        def one(carry: tuple, microbatch: Batch) -> tuple[tuple, None]:
+            fixed, local, loss_sum, grad_sum = carry
+            (loss, (synced, local)), grads = grad_of(fixed, local, microbatch)
+            fixed = select(synced, self.trainable_mask, False)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            return (fixed, local, loss_sum + loss.astype(jnp.float32), grad_sum), None
+
+        trainable = select(state.params, self.trainable_mask, True)
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        start = (fixed, state.local, jnp.zeros((), jnp.float32), zeros)
+        (fixed, local, loss_sum, grad_sum), _ = jax.lax.scan(one, start, micro)
+        grads = jax.tree.map(lambda g: g / k, grad_sum)
+        return (loss_sum / k, (combine(trainable, fixed), local)), grads
 
     def _eval_fn(self, params: Params, local: Any, batch: Batch) -> dict[str, jax.Array]:
         return self.task.eval_metrics(self.graphdef, params, local, batch)

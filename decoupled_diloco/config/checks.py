@@ -392,6 +392,13 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
     )
     _check(c.optim.lr > 0, "optim.lr", f"must be > 0, got {c.optim.lr}")
     _check(c.optim.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    k = c.optim.microbatches
+    _check(k >= 1, "optim.microbatches", f"must be >= 1 (1: no accumulation), got {k}")
+    _check(
+        c.data.batch_size % k == 0,
+        "optim.microbatches",
+        f"{k} microbatches do not divide data.batch_size={c.data.batch_size}",
+    )
     _check(0 <= c.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
     _check(c.outer.lr > 0, "outer.lr", f"must be > 0, got {c.outer.lr}")
     _check(
@@ -415,6 +422,13 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
             c.data.batch_size % data_axis == 0,
             "data.batch_size",
             f"{c.data.batch_size} does not split over the mesh data axis of size {data_axis}",
+        )
+        _check(
+            (c.data.batch_size // c.optim.microbatches) % data_axis == 0,
+            "optim.microbatches",
+            f"a microbatch of {c.data.batch_size // c.optim.microbatches} rows "
+            f"(data.batch_size / optim.microbatches) does not split over the mesh data axis "
+            f"of size {data_axis}",
         )
         for name in ("d_model", "mlp_hidden", "vocab_size", "num_heads") if builtin else ():
             value = getattr(m, name)

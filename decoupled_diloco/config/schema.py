@@ -121,6 +121,11 @@ class OptimConfig:
       b1: AdamW first-moment decay.
       b2: AdamW second-moment decay.
       grad_clip: global gradient-norm clip.
+      microbatches: gradient accumulation: each inner step's batch is cut into this many
+        microbatches whose gradients are averaged before the one optimizer update (a batch
+        larger than memory allows: activations are one microbatch's). Each microbatch's loss
+        is its own mean, so the update equals one batch's when every microbatch holds as many
+        counted tokens (always for the byte corpus and packed token shards).
     """
 
     name: str = "adamw"
@@ -132,6 +137,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
+    microbatches: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
