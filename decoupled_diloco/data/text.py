@@ -29,21 +29,13 @@ import grain
 import numpy as np
 
 from decoupled_diloco.config import ConfigError
+from decoupled_diloco.data import sources
 
 _EXCLUDED_DIRS = {"test", "tests", "idlelib", "__pycache__", "site-packages"}
 _TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
-# Files that hold documents in a structure, not text to read as bytes: `data.prepare`'s inputs.
-_STRUCTURED_SUFFIXES = {
-    ".jsonl",
-    ".ndjson",
-    ".json",
-    ".parquet",
-    ".arrow",
-    ".gz",
-    ".zst",
-    ".bz2",
-    ".xz",
-}
+# Not text to read as bytes: `data.prepare`'s structured inputs, and anything compressed.
+_NOT_TEXT = sources.JSONL_SUFFIXES + sources.PARQUET_SUFFIXES
+_NOT_TEXT += (".json", ".arrow", ".gz", ".zst", ".bz2", ".xz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +104,7 @@ def load_corpus(path: str = "", val_fraction: float = 0.05) -> Corpus:
     if not root.exists():
         raise FileNotFoundError(f"config.data.path: {root} does not exist")
     if root.is_file():
-        if root.suffix.lower() in _STRUCTURED_SUFFIXES:
+        if root.name.lower().endswith(_NOT_TEXT):
             raise ConfigError(f"config.data.path: {root} {_PREPARE_FIRST.format(path=root)}")
         data = np.frombuffer(root.read_bytes(), dtype=np.uint8)
         split = int(len(data) * (1.0 - val_fraction))
@@ -121,7 +113,7 @@ def load_corpus(path: str = "", val_fraction: float = 0.05) -> Corpus:
         files = _corpus_files(root)
         if len(files) < 2:
             structured = sorted(
-                {p.suffix for p in root.rglob("*") if p.suffix.lower() in _STRUCTURED_SUFFIXES}
+                {p.suffix for p in root.rglob("*") if p.name.lower().endswith(_NOT_TEXT)}
             )
             hint = (
                 f"; it holds {', '.join(structured)} files, which "
