@@ -24,7 +24,8 @@ from decoupled_diloco.data import dataset as dataset_lib
 from decoupled_diloco.models.transformer import count_params
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.obs import workdir as workdir_lib
-from decoupled_diloco.obs.metrics import MetricsWriter, Progress, write_summary
+from decoupled_diloco.obs.metrics import MetricsWriter, Progress, make_writers, write_summary
+from decoupled_diloco.obs.writers import MetricWriter
 from decoupled_diloco.trainers import DataParallelTrainer, DiLoCoTrainer
 
 TRAINERS = {"dp": DataParallelTrainer, "diloco": DiLoCoTrainer}
@@ -144,6 +145,7 @@ def train_and_evaluate(
     task: tasks.Task | None = None,
     inner_optimizer: optax.GradientTransformation | None = None,
     dataset: Any = None,
+    writers: Sequence[MetricWriter] = (),
 ) -> RunResult:
     """Trains `config` in `workdir`, resuming from its newest readable checkpoint.
 
@@ -169,6 +171,10 @@ def train_and_evaluate(
         `config.optim`'s); in one process only.
       dataset: a `data.dataset.Dataset` (default: the task's, else `config.data`'s); in one
         process only.
+      writers: metric writers of the user's own (`write_scalars(step, scalars)`, `flush()`,
+        `close()`: a `clu.metric_writers` writer, say) beside those `config.metrics.writers`
+        names; they get the same names (`obs.writers`) and are closed at the end. They need a
+        workdir, and cannot follow a run under faults into its child process.
 
     Returns:
       The summary and the final global parameters (host arrays).
@@ -178,10 +184,14 @@ def train_and_evaluate(
     config, task = _user_task(config, task, inner_optimizer, dataset)
     if workdir is not None:
         workdir_lib.check_workdir_run(config, pathlib.Path(workdir))
+    elif writers:
+        raise config_lib.ConfigError("writers: metric writers need a workdir (got None)")
     if config.mode == "decoupled":  # Separate processes: a syncer and one per learner.
         from decoupled_diloco.local.launch import run_decoupled
 
-        summary, params, monitor = run_decoupled(config, workdir, corpus=corpus, task=task)
+        summary, params, monitor = run_decoupled(
+            config, workdir, corpus=corpus, task=task, writers=writers
+        )
         return RunResult(summary=summary, params=params, monitor=monitor)
     devices = list(devices if devices is not None else _default_devices(config))
     config_lib.validate(config, device_count=len(devices))
@@ -191,6 +201,11 @@ def train_and_evaluate(
         # `synchronous.run_synchronous`); here we only supervise it.
         if workdir is None:
             raise config_lib.ConfigError("config.chaos: a run under faults needs a workdir")
+        if writers:
+            raise config_lib.ConfigError(
+                "writers: a run under faults (config.chaos) trains in a child process, which "
+                "objects passed here cannot follow; name the writers in config.metrics.writers"
+            )
         from decoupled_diloco.local.synchronous import run_synchronous
 
         summary = run_synchronous(config, pathlib.Path(workdir))
@@ -209,7 +224,10 @@ def train_and_evaluate(
     _mark(timeline, "restoring")
     start_step = trainer.restore() if checkpoint_dir else 0
     end_step = min(config.train_steps, stop_after or config.train_steps)
-    writer = MetricsWriter(workdir, resume_step=start_step) if workdir else None
+    writer = None
+    if workdir:
+        own = make_writers(config, workdir, start_step)
+        writer = MetricsWriter(workdir, start_step, writers=own + list(writers))
     progress = Progress(config.mode, config.train_steps, start_step)
     tokens_per_step = config.num_learners * task.tokens_per_step(config.data.batch_size)
     if start_step:

@@ -1,5 +1,6 @@
 """`python -m experiments.compare` on a tiny config: three modes, one table, the plots."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -11,6 +12,7 @@ from decoupled_diloco.config import write_config_file
 from decoupled_diloco.obs.tb import read_scalars
 from decoupled_diloco.tasks import make_task
 from tests.conftest import tiny_config
+from tests.test_writers import as_series, read_wandb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,7 +27,8 @@ def _compare(config_file, workdir, *flags):
 
 
 def test_compare_runs_three_modes_into_one_table_and_plots(tmp_path):
-    config = tiny_config(**{"checkpoint.every": 0, "decoupled.fragments": 2})
+    writers = {"metrics.writers": "tensorboard,wandb,jsonl", "metrics.wandb_mode": "offline"}
+    config = tiny_config(**{"checkpoint.every": 0, "decoupled.fragments": 2}, **writers)
     config_file = write_config_file(config, tmp_path / "tiny.py")
     out = _compare(config_file, tmp_path / "cmp")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -48,6 +51,16 @@ def test_compare_runs_three_modes_into_one_table_and_plots(tmp_path):
     decoupled_tb = tmp_path / "cmp" / "decoupled" / "tb"
     assert {p.name for p in decoupled_tb.iterdir()} >= {"syncer", "learner_0", "learner_1"}
     assert "loss" in read_scalars(decoupled_tb / "learner_1")
+    # The launcher's other writers: the same learner series, on the learner's own step.
+    jsonl = (tmp_path / "cmp" / "decoupled" / "scalars.jsonl").read_text().splitlines()
+    series = as_series([json.loads(line) for line in jsonl])
+    assert (
+        series["learner_1/loss"]
+        == as_series(read_wandb(tmp_path / "cmp" / "decoupled")[0])["learner_1/loss"]
+    )
+    assert [s for s, _ in series["learner_1/loss"]] == [
+        s for s, _ in read_scalars(decoupled_tb / "learner_1")["loss"]
+    ]
     # A finished run of the same config is kept, not trained again.
     again = _compare(config_file, tmp_path / "cmp", "--modes=dp")
     assert again.returncode == 0, again.stderr[-3000:]

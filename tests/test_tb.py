@@ -1,11 +1,11 @@
 """TensorBoard event files written next to metrics.jsonl, read back from disk."""
 
 from decoupled_diloco.obs.metrics import MetricsWriter
-from decoupled_diloco.obs.tb import read_scalars
+from decoupled_diloco.obs.tb import TensorBoardWriter, read_scalars
 
 
 def test_synchronous_events_go_to_one_train_run(tmp_path):
-    writer = MetricsWriter(tmp_path)
+    writer = MetricsWriter(tmp_path, writers=[TensorBoardWriter(tmp_path)])
     writer.write(step=10, tokens=100, loss=3.0, learner_losses=[2.9, 3.1], wall_s=1.0)
     writer.write(step=20, tokens=200, loss=2.5, learner_losses=[2.4, 2.6], eval_loss=2.7)
     writer.close()
@@ -18,7 +18,7 @@ def test_synchronous_events_go_to_one_train_run(tmp_path):
 
 
 def test_decoupled_events_fan_out_to_one_run_per_learner(tmp_path):
-    writer = MetricsWriter(tmp_path)
+    writer = MetricsWriter(tmp_path, writers=[TensorBoardWriter(tmp_path, main_run="syncer")])
     writer.write(
         step=15,
         tokens=960,
@@ -40,11 +40,11 @@ def test_decoupled_events_fan_out_to_one_run_per_learner(tmp_path):
 
 
 def test_resumed_run_replaces_events_after_the_resume_step(tmp_path):
-    first = MetricsWriter(tmp_path)
+    first = MetricsWriter(tmp_path, writers=[TensorBoardWriter(tmp_path)])
     for step in (10, 20, 30):
         first.write(step=step, loss=float(step))
     first.close()
-    resumed = MetricsWriter(tmp_path, resume_step=20)
+    resumed = MetricsWriter(tmp_path, 20, writers=[TensorBoardWriter(tmp_path, resume_step=20)])
     resumed.write(step=30, loss=99.0)
     resumed.close()
     assert read_scalars(tmp_path / "tb" / "train")["loss"] == [(10, 10.0), (20, 20.0), (30, 99.0)]

@@ -6,10 +6,11 @@ a bad `--config.X=...` fails before anything is compiled or any process starts.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import pathlib
 
-from decoupled_diloco.config.derived import parse_mesh_shapes
+from decoupled_diloco.config.derived import metric_writers, parse_mesh_shapes
 from decoupled_diloco.config.processes import (
     COMPRESSION_SCHEMES,
     TOPK_VALUE_SCHEMES,
@@ -21,8 +22,10 @@ from decoupled_diloco.config.schema import (
     DTYPES,
     INNER_OPTIMIZERS,
     MERGES,
+    METRIC_WRITERS,
     MODEL_KINDS,
     MODES,
+    WANDB_MODES,
     ConfigError,
     ExperimentConfig,
     ModelConfig,
@@ -251,6 +254,31 @@ def _validate_wan(c: ExperimentConfig) -> None:
         )
 
 
+def _validate_metrics(c: ExperimentConfig) -> None:
+    names = metric_writers(c)
+    for name in names:
+        _check(
+            name in METRIC_WRITERS,
+            "metrics.writers",
+            f"unknown writer {name!r}; choose from {', '.join(METRIC_WRITERS)}",
+        )
+    _check(
+        len(set(names)) == len(names),
+        "metrics.writers",
+        f"a writer is named twice in {c.metrics.writers!r}",
+    )
+    _check(
+        c.metrics.wandb_mode in WANDB_MODES,
+        "metrics.wandb_mode",
+        f"must be one of {WANDB_MODES}, got {c.metrics.wandb_mode!r}",
+    )
+    _check(
+        "wandb" not in names or importlib.util.find_spec("wandb") is not None,
+        "metrics.writers",
+        "wandb is not installed: pip install 'decoupled_diloco[wandb]'",
+    )
+
+
 def _validate_monitor(c: ExperimentConfig) -> None:
     m = c.monitor
     _check(0 <= m.port <= 65535, "monitor.port", f"must be in [0, 65535], got {m.port}")
@@ -444,6 +472,7 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
         _validate_model_kind(c)
     _validate_supervisor(c)
     _validate_monitor(c)
+    _validate_metrics(c)
     _validate_wan(c)
     _check(c.checkpoint.every >= 0, "checkpoint.every", "must be >= 0 (0 disables)")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")

@@ -116,3 +116,8 @@ def max_push_steps(config: ExperimentConfig, names_data: bool = True) -> int:
     link) goes with every step since its last push.
     """
     return budget_units(config) if names_data and data_leases(config) else config.train_steps
+
+
+def metric_writers(config: ExperimentConfig) -> list[str]:
+    """`metrics.writers` ("tensorboard,wandb") as a list of names (checked by `validate`)."""
+    return [n.strip() for n in config.metrics.writers.split(",") if n.strip()]

@@ -239,6 +239,31 @@ class MoEConfig:
     z_loss_weight: float = 0.001
 
 
+METRIC_WRITERS = ("tensorboard", "wandb", "jsonl")
+WANDB_MODES = ("", "offline", "online", "disabled")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where metrics go besides `workdir/metrics.jsonl` (`obs.writers`, docs/operations.md).
+
+    Attributes:
+      writers: comma-separated writers: "tensorboard" (`workdir/tb`), "wandb" (Weights & Biases;
+        `pip install 'decoupled_diloco[wandb]'`), "jsonl" (`workdir/scalars.jsonl`); "": none.
+      wandb_project: the W&B project.
+      wandb_entity: the W&B entity (user or team); "": W&B's default.
+      wandb_name: the W&B run's name; "": the workdir's name.
+      wandb_mode: "offline" (files under `workdir/wandb`, no network; `wandb sync` uploads
+        them), "online", "disabled", or "": W&B's own setting (`WANDB_MODE`, else online).
+    """
+
+    writers: str = "tensorboard"
+    wandb_project: str = "decoupled_diloco"
+    wandb_entity: str = ""
+    wandb_name: str = ""
+    wandb_mode: str = ""
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """A whole run. Field names are the `--config.X` flags.
@@ -273,6 +298,7 @@ class ExperimentConfig:
       moe: mixture-of-experts routing (model.kind "moe").
       supervisor: restarts of killed learners (warm standby spares).
       monitor: Prometheus metrics and the live job page (decoupled mode).
+      metrics: metric writers (TensorBoard, W&B, JSONL).
     """
 
     mode: str = "diloco"
@@ -297,6 +323,7 @@ class ExperimentConfig:
     moe: MoEConfig = MoEConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     monitor: MonitorConfig = MonitorConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @property
     def devices_per_learner(self) -> int:

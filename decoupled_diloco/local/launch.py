@@ -20,6 +20,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -42,7 +43,7 @@ from decoupled_diloco.local.commands import (
 from decoupled_diloco.local.evaluator import GlobalEvaluator
 from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.obs import monitor as monitor_lib
-from decoupled_diloco.obs.metrics import write_summary
+from decoupled_diloco.obs.metrics import make_writers, write_summary
 
 
 def _start_syncers(
@@ -128,13 +129,15 @@ def run_decoupled(
     corpus: Any = None,
     progress_s: float = 2.0,
     task: Any = None,
+    writers: Sequence[Any] = (),
 ) -> tuple[dict[str, Any], Any, Any]:
     """Runs a syncer and `num_learners` learners to the end; returns (summary, params, monitor).
 
     A user's task (`config.task`) is imported by every process; `task` is this process's copy
     of it (the evaluator's; default: `make_task(config)`). With `monitor.enabled` every process
     serves Prometheus metrics and the job page is served (`obs.monitor`); `monitor` is that
-    page, still up with the final state, for the caller to `stop()` (else None).
+    page, still up with the final state, for the caller to `stop()` (else None). `writers` (the
+    user's own metric writers) get the job's metrics beside those `config.metrics` names.
 
     Raises:
       RuntimeError: a child process failed (its log tail is in the message).
@@ -164,6 +167,7 @@ def run_decoupled(
         dataset_lib.check_workdir_data(config, workdir)
     # The data is read (and so checked) here, before any process starts; the evaluator uses it.
     data = dataset_lib.load_dataset(config, corpus, task)
+    writers = make_writers(config, workdir) + list(writers)  # W&B starts here too
     procs = Processes(
         workdir / "logs",
         {**child_env(token), **chaos_env, "PYTHONPATH": tasks.python_path(config)},
@@ -249,7 +253,9 @@ def run_decoupled(
         if schedule is not None:
             injector = chaos_run.start_injector(schedule, supervisor, workdir, client)
         evaluator = GlobalEvaluator(config, client, data, task)
-        status = poll.watch(config, supervisor, client, evaluator, workdir, t_start, progress_s)
+        status = poll.watch(
+            config, supervisor, client, evaluator, workdir, t_start, progress_s, writers
+        )
         if injector is not None:
             injector.halt.set()
             supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,7 @@ def watch(
     workdir: pathlib.Path,
     t_start: float,
     progress_s: float,
+    writers: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """Polls the syncer until every learner has finished; writes metrics and progress.
 
@@ -55,10 +57,11 @@ def watch(
     and reports any that died on their own.
 
     Every `eval.every` steps (mean over learners) it also evaluates the global parameters, the
-    model the syncer would hand out, as the synchronous modes evaluate theirs.
+    model the syncer would hand out, as the synchronous modes evaluate theirs. Every event also
+    goes to `writers` (`obs.writers`), which are closed at the end.
     """
     next_eval = config.eval.every
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir, writers=writers)
     status: dict[str, Any] = {"merges": 0, "learners": {}}
     staleness = 0  # the largest version lag of a learner seen (summary: max_staleness)
     progress = watch_lib.RunProgress("decoupled")

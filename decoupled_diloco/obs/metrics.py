@@ -1,4 +1,8 @@
-"""Run outputs: `metrics.jsonl` (one JSON object per event), `summary.json`, progress lines."""
+"""Run outputs: `metrics.jsonl` (one JSON object per event), `summary.json`, progress lines.
+
+`metrics.jsonl` is the run's own record (reports, the simulator's calibration and tests read
+it); the same events go, as named scalars, to the metric writers (`obs.writers`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,11 @@ import math
 import pathlib
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
+from decoupled_diloco import config as config_lib
+from decoupled_diloco.obs import writers as writers_lib
 from decoupled_diloco.obs.tb import TensorBoardWriter
 
 
@@ -20,11 +27,17 @@ class MetricsWriter:
       resume_step: the step training resumes from. Events up to it are kept, so a stopped and
         resumed run has one history; later ones (logged after the checkpoint the run resumed
         from) are dropped, since they are about to be logged again.
-      tensorboard: also write each event as TensorBoard scalars under `workdir/tb` (see `tb`).
+      writers: metric writers (`obs.writers`) that get every event as named scalars; they are
+        closed with this one.
     """
 
-    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0, tensorboard: bool = True):
-        self.tb = TensorBoardWriter(workdir, resume_step) if tensorboard else None
+    def __init__(
+        self,
+        workdir: str | pathlib.Path,
+        resume_step: int = 0,
+        writers: Sequence[writers_lib.MetricWriter] = (),
+    ):
+        self.writers = list(writers)
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
@@ -49,14 +62,39 @@ class MetricsWriter:
         }
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
-        if self.tb:
-            self.tb.write(clean)
+        for step, scalars in writers_lib.event_scalars(clean):
+            for writer in self.writers:
+                writer.write_scalars(step, scalars)
+        for writer in self.writers:
+            writer.flush()
 
     def close(self) -> None:
-        """Closes the file (and the TensorBoard event files)."""
+        """Closes the file and the writers."""
         self._file.close()
-        if self.tb:
-            self.tb.close()
+        writers_lib.close_all(self.writers)
+
+
+def make_writers(
+    config: Any, workdir: str | pathlib.Path, resume_step: int = 0
+) -> list[writers_lib.MetricWriter]:
+    """The writers `config.metrics.writers` names, for a run in `workdir` resumed at `resume_step`.
+
+    A resumed run replaces what an earlier one logged after `resume_step` (everything, for a
+    fresh run) where the format allows it: TensorBoard purges those steps, `scalars.jsonl`
+    drops those lines; a W&B run is resumed under its id (`workdir/wandb_run_id`) and keeps
+    the points already sent.
+    """
+    workdir = pathlib.Path(workdir)
+    writers: list[writers_lib.MetricWriter] = []
+    for name in config_lib.metric_writers(config):
+        if name == "tensorboard":
+            main = "syncer" if config.mode == "decoupled" else "train"
+            writers.append(TensorBoardWriter(workdir, resume_step, main_run=main))
+        elif name == "jsonl":
+            writers.append(writers_lib.JsonlWriter(workdir / "scalars.jsonl", resume_step))
+        else:
+            writers.append(writers_lib.WandbWriter(config, workdir, resume_step))
+    return writers
 
 
 def write_summary(workdir: str | pathlib.Path, summary: dict[str, Any]) -> pathlib.Path:

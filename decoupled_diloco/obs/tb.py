@@ -1,12 +1,12 @@
 """TensorBoard event files next to `metrics.jsonl`: `tensorboard --logdir WORKDIR/tb`.
 
-Every metrics event becomes scalars (written with tensorboardX, no TensorFlow needed), in one
-run directory per source:
+Every metrics event becomes scalars (written with tensorboardX, no TensorFlow needed; names as
+`writers.event_scalars` makes them), in one run directory per source:
 
 - `dp`/`diloco`: `WORKDIR/tb/train` (global loss, eval loss, throughput, and each learner's
   loss as `learner_loss/I`).
 - `decoupled`: `WORKDIR/tb/syncer` (the global model's eval loss, merges, fragment versions as
-  `versions/P`) and `WORKDIR/tb/learner_I` (that learner's loss and other `learner_*` values,
+  `version/P`) and `WORKDIR/tb/learner_I` (that learner's loss and other `learner_*` values,
   at its own step), so TensorBoard overlays the learners as separate runs.
 
 A run resumed at step S purges the events after S that an earlier run wrote (TensorBoard's
@@ -16,15 +16,16 @@ keeps in `metrics.jsonl`.
 
 from __future__ import annotations
 
-import math
 import pathlib
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from decoupled_diloco.obs.writers import LEARNER_SERIES
+
 TB_DIR = "tb"
-_SKIP = {"step", "wall_s"}  # The x axes, not series.
 
 
 class TensorBoardWriter:
@@ -33,15 +34,16 @@ class TensorBoardWriter:
     Args:
       workdir: the run directory (the one holding `metrics.jsonl`).
       resume_step: events after this step, written before a restart, are purged.
+      main_run: the run of every name but `learner_I/NAME` ("train"; "syncer" in decoupled mode).
     """
 
-    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0):
+    def __init__(self, workdir: str | pathlib.Path, resume_step: int = 0, main_run: str = "train"):
+        self.main_run = main_run
         self.root = pathlib.Path(workdir) / TB_DIR
         self.resume_step = resume_step
         if resume_step == 0 and self.root.is_dir():  # a fresh run: no curve of an earlier one
             for old in self.root.glob("*/events.out.tfevents.*"):
                 old.unlink()
-        self.t0 = time.time()
         self._writers: dict[str, Any] = {}
 
     def _writer(self, run: str) -> Any:
@@ -60,39 +62,16 @@ class TensorBoardWriter:
             )
         return self._writers[run]
 
-    def _scalar(self, run: str, tag: str, value: Any, step: int, walltime: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return
-        if not math.isfinite(value):
-            return
-        self._writer(run).add_scalar(tag, float(value), global_step=step, walltime=walltime)
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Writes `scalars` at `step`: `learner_I/NAME` as `NAME` of the run `learner_I`."""
+        walltime = time.time()
+        for name, value in scalars.items():
+            match = LEARNER_SERIES.match(name)
+            run, tag = match.groups() if match else (self.main_run, name)
+            self._writer(run).add_scalar(tag, float(value), global_step=step, walltime=walltime)
 
-    def write(self, event: dict[str, Any]) -> None:
-        """Writes one metrics event's numeric values (strings and nulls are skipped)."""
-        step = int(event.get("step", 0))
-        walltime = self.t0 + float(event.get("wall_s") or 0.0)
-        learner_steps = event.get("learner_steps")
-        decoupled = isinstance(learner_steps, list)
-        main = "syncer" if decoupled else "train"
-        for key, value in event.items():
-            if key in _SKIP:
-                continue
-            if isinstance(value, list):
-                if decoupled and key.startswith("learner_"):
-                    tag = _singular(key[len("learner_") :])  # learner_losses -> loss
-                    for i, x in enumerate(value):
-                        own = learner_steps[i] if i < len(learner_steps) else step
-                        if key != "learner_steps":
-                            self._scalar(f"learner_{i}", tag, x, int(own or 0), walltime)
-                else:
-                    tag = _singular(key)  # learner_losses -> learner_loss/I
-                    for i, x in enumerate(value):
-                        self._scalar(main, f"{tag}/{i}", x, step, walltime)
-            elif isinstance(value, dict):
-                for name, x in value.items():
-                    self._scalar(main, f"{key}/{name}", x, step, walltime)
-            else:
-                self._scalar(main, key, value, step, walltime)
+    def flush(self) -> None:
+        """Flushes every run's event file."""
         for writer in self._writers.values():
             writer.flush()
 
@@ -110,12 +89,6 @@ class TensorBoardWriter:
             if closer.is_alive():
                 print(f"[tb] {run}: event file not closed within {timeout_s:g} s", flush=True)
         self._writers.clear()
-
-
-def _singular(name: str) -> str:
-    if name.endswith("sses"):
-        return name[:-2]
-    return name[:-1] if name.endswith("s") else name
 
 
 def read_scalars(run_dir: str | pathlib.Path) -> dict[str, list[tuple[int, float]]]:
