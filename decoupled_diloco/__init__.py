@@ -17,7 +17,13 @@ e.g. `decoupled_diloco.sim.simulate`, `decoupled_diloco.chaos.faults.load`,
 """
 
 import importlib
-from typing import Any
+import importlib.metadata
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = importlib.metadata.version("decoupled_diloco")
+except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+    __version__ = "0+unknown"
 
 # Public name -> defining module, or (module, its name there). Imported lazily (PEP 562) so that
 # numpy-only parts, such as the goodput simulator or a syncer's config loading, do not pay for
@@ -75,7 +81,46 @@ _EXPORTS = {
     "write_report": "decoupled_diloco.obs.report",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:  # the same names, eagerly, for IDEs and type checkers (tests/test_api.py)
+    from decoupled_diloco.comm.client import SyncerClient
+    from decoupled_diloco.config import (
+        CheckpointConfig,
+        CompressionConfig,
+        ConfigError,
+        DataConfig,
+        DecoupledConfig,
+        EvalConfig,
+        ExperimentConfig,
+        MeshConfig,
+        ModelConfig,
+        MoEConfig,
+        OptimConfig,
+        OuterConfig,
+        SyncerConfig,
+        as_config_dict,
+        from_config_dict,
+        replace,
+        validate,
+    )
+    from decoupled_diloco.core.outer import outer_gradient, outer_round
+    from decoupled_diloco.data.dataset import Dataset
+    from decoupled_diloco.data.packed import PreparedDataset
+    from decoupled_diloco.data.prepare import prepare
+    from decoupled_diloco.data.tokenizer import load_tokenizer, train_bpe
+    from decoupled_diloco.island import Island
+    from decoupled_diloco.learner.link import DecoupledSync
+    from decoupled_diloco.learner.loop import Learner
+    from decoupled_diloco.obs.report import write_report
+    from decoupled_diloco.obs.timeline import analyze as analyze_goodput
+    from decoupled_diloco.obs.timeline import load as load_timeline
+    from decoupled_diloco.optim import make_inner_optimizer
+    from decoupled_diloco.runtime import configure_cpu_devices
+    from decoupled_diloco.syncer.server import SyncerServer
+    from decoupled_diloco.tasks import Task, make_task, model_config
+    from decoupled_diloco.train import RunResult, train_and_evaluate
+    from decoupled_diloco.trainers import DiLoCoOuter, DiLoCoTrainer
 
 
 def __getattr__(name: str) -> Any:
