@@ -32,10 +32,10 @@ import traceback
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Dense bf16 peak FLOP/s by device kind (vendor data sheets; sparse figures are twice these).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "B200": 2250e12}
-SIZES = {
-    "tiny": "experiments/configs/tiny_lm.py",
-    "125m": "experiments/configs/lm_125m.py",
-    "1b": "experiments/configs/lm_1b.py",
+SIZES = {  # size -> (config file, its argument)
+    "tiny": ("experiments/configs/tiny_lm.py", None),
+    "125m": ("experiments/configs/lm.py", "125m"),
+    "1b": ("experiments/configs/lm.py", "1b"),
 }
 
 
@@ -46,10 +46,11 @@ def _config(size: str, batch_size: int, seq_len: int):
     from decoupled_diloco import config as c
 
     size, _, attention = size.partition(":")
-    spec = importlib.util.spec_from_file_location("size_config", ROOT / SIZES[size])
+    path, argument = SIZES[size]
+    spec = importlib.util.spec_from_file_location("size_config", ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = c.from_config_dict(module.get_config())
+    config = c.from_config_dict(module.get_config(*([argument] if argument else [])))
     overrides = {"model.dtype": "bfloat16", "data.batch_size": batch_size}
     if attention:
         overrides["model.attention"] = attention
@@ -137,8 +138,9 @@ def decoupled_run(
 ) -> dict:
     """A short decoupled run of 2 learners (`experiments.train`); its summary's numbers."""
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="device_check_"))
+    path, argument = SIZES[size.partition(":")[0]]
     flags = [
-        f"--config={SIZES[size.partition(':')[0]]}",
+        f"--config={path}" + (f":{argument}" if argument else ""),
         f"--workdir={workdir}",
         "--config.mode=decoupled",
         "--config.model.dtype=bfloat16",
