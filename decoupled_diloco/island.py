@@ -161,7 +161,7 @@ class Island:
         self._max_in_flight = 1 if one else 2
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._init = jax.jit(self._init_fn, out_shardings=self.state_sharding)
-        self._step = jax.jit(
+        self.jitted_step = jax.jit(
             self._step_fn,
             in_shardings=(self.state_sharding, self.batch_sharding),
             out_shardings=(self.state_sharding, self.replicated),
@@ -262,7 +262,7 @@ class Island:
         while len(self._in_flight) >= self._max_in_flight:
             self._in_flight.popleft().block_until_ready()
         with jax.set_mesh(self.mesh):
-            state, loss = self._step(state, batch)
+            state, loss = self.jitted_step(state, batch)
         self._in_flight.append(loss)
         return state, loss
 

@@ -76,7 +76,7 @@ def plan(island: Any, batch: Any) -> MemoryPlan:
         batch,
     )
     with jax.set_mesh(island.mesh):
-        compiled = island._step.lower(island.abstract_state, abstract_batch).compile()
+        compiled = island.jitted_step.lower(island.abstract_state, abstract_batch).compile()
     stats = compiled.memory_analysis()
     state = island.abstract_state
     return MemoryPlan(

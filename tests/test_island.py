@@ -22,7 +22,7 @@ def test_output_shardings_equal_declared_and_step_compiles_once():
     for i in range(4):
         state, loss = island.step(state, _batch(island, i))
     assert island.trace_count == 1
-    assert island._step._cache_size() == 1
+    assert island.jitted_step._cache_size() == 1
     declared = jax.tree.leaves(island.state_sharding)
     actual = [x.sharding for x in jax.tree.leaves(state)]
     assert len(declared) == len(actual)
@@ -87,7 +87,7 @@ def test_every_axis_choice_shards_as_declared_and_compiles_once(
     for _ in range(2):
         state, loss = island.step(state, batch)
         losses.append(float(loss))
-    assert island.trace_count == 1 and island._step._cache_size() == 1
+    assert island.trace_count == 1 and island.jitted_step._cache_size() == 1
     for want, leaf in zip(
         jax.tree.leaves(island.state_sharding), jax.tree.leaves(state), strict=True
     ):

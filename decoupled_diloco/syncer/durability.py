@@ -188,7 +188,7 @@ def load(state: SyncerState, tree: dict[str, Any], meta: dict[str, Any]) -> None
         sizes = list(meta["merge_sizes"])
         state.merge_sizes = sizes + [0] * (len(state.merge_sizes) - len(sizes))
         state.membership = list(meta.get("membership", []))
-        state._live = set(state.live_learners(now))
+        state.live_ids = set(state.live_learners(now))
         if state.ledger is not None and meta.get("ledger"):
             state.ledger.load(meta["ledger"])
         state.merge_log = list(meta["merge_log"])

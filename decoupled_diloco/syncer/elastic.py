@@ -10,12 +10,14 @@ restarts, leaves (a learner that said done) and losses (silent past `learner_tim
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from decoupled_diloco.config import units_per_step
+from decoupled_diloco.config import ExperimentConfig, units_per_step
 from decoupled_diloco.syncer import ledger as ledger_lib
-from decoupled_diloco.syncer.records import LearnerInfo
+from decoupled_diloco.syncer.records import Ema, FragmentState, LearnerInfo, PushResult
 
 # Data ranges one push may carry (leases its outer gradient spans; each lease is one range).
 MAX_DATA_RANGES = 256
@@ -24,7 +26,31 @@ EXTRAPOLATED_ROUNDS = 10
 MEMBERSHIP_KEPT = 1000  # membership changes kept in memory (the status and snapshot: 200)
 
 
-def live_learners(state: Any, now: float) -> list[int]:
+class Members(Protocol):
+    """What these functions read and change of a syncer's state (`state.SyncerState`)."""
+
+    config: ExperimentConfig
+    clock: Callable[[], float]
+    lock: threading.Condition  # guards everything below
+    learners: dict[int, LearnerInfo]
+    live_ids: set[int]  # the live set the membership log last saw
+    membership: list[dict[str, Any]]
+    ledger: ledger_lib.Ledger | None
+    seen: dict[tuple[int, int, int], PushResult]  # pushes by idempotency key
+    ema_step: Ema
+    fragments: Sequence[FragmentState]
+
+    def live_learners(self, now: float) -> list[int]:
+        """Learners still training, heard from within the timeout."""
+
+    def versions(self) -> list[int]:
+        """Each fragment's published version."""
+
+    def record_change(self, kind: str, *args: Any) -> None:
+        """Writes a change to the write-ahead log (under the lock)."""
+
+
+def live_learners(state: Members, now: float) -> list[int]:
     """Learners still training whose last message is within `learner_timeout_s`."""
     timeout = state.config.decoupled.syncer.learner_timeout_s
     return [
@@ -34,13 +60,13 @@ def live_learners(state: Any, now: float) -> list[int]:
     ]
 
 
-def live_count(state: Any) -> int:
+def live_count(state: Members) -> int:
     """How many learners are training now (`live_learners`): a constant global batch's split."""
     with state.lock:
         return len(state.live_learners(state.clock()))
 
 
-def lead_step(state: Any, learner_id: int) -> tuple[float, float]:
+def lead_step(state: Members, learner_id: int) -> tuple[float, float]:
     """The most advanced other live learner's phase step, extrapolated to now; its step time.
 
     From each live learner's last heartbeat: the step its pushes are scheduled by (its
@@ -65,7 +91,7 @@ def lead_step(state: Any, learner_id: int) -> tuple[float, float]:
         return best
 
 
-def fastest_step_time(state: Any) -> float:
+def fastest_step_time(state: Members) -> float:
     """The shortest recent step time among live learners (0 when none reported yet).
 
     Each learner's is the larger of what it claims and half the pace the syncer saw in its
@@ -78,7 +104,7 @@ def fastest_step_time(state: Any) -> float:
         return min((t for t in times if t > 0), default=0.0)
 
 
-def register(state: Any, learner_id: int, mesh: str) -> tuple[list[int], int]:
+def register(state: Members, learner_id: int, mesh: str) -> tuple[list[int], int]:
     """Registers (or re-registers) a learner; returns the fragment versions, its incarnation."""
     with state.lock:
         info = state.learners.setdefault(learner_id, LearnerInfo())
@@ -92,11 +118,11 @@ def register(state: Any, learner_id: int, mesh: str) -> tuple[list[int], int]:
         if state.ledger is not None:  # the old incarnation's leases are handed again
             state.ledger.release(learner_id)
         log_membership(state, "joined" if info.incarnation == 0 else "restarted", learner_id)
-        state._changed("register", learner_id)  # a restart must not resurrect old keys
+        state.record_change("register", learner_id)  # a restart must not resurrect old keys
         return state.versions(), info.incarnation
 
 
-def heartbeat(state: Any, learner_id: int, /, **fields: Any) -> list[int]:
+def heartbeat(state: Members, learner_id: int, /, **fields: Any) -> list[int]:
     """Records a learner's progress; returns the fragment versions.
 
     `state` and `learner_id` are positional only: `fields` holds the learner's own `state`.
@@ -106,7 +132,7 @@ def heartbeat(state: Any, learner_id: int, /, **fields: Any) -> list[int]:
         for name, value in fields.items():
             setattr(info, name, value)
         info.last_seen = state.clock()
-        if learner_id not in state._live and info.state == "training":
+        if learner_id not in state.live_ids and info.state == "training":
             log_membership(state, "back", learner_id)  # silent past the timeout, then heard
         info.observe_pace(info.last_seen)
         if info.step_time_s > 0:
@@ -115,12 +141,12 @@ def heartbeat(state: Any, learner_id: int, /, **fields: Any) -> list[int]:
         return state.versions()
 
 
-def pending_ranges(state: Any) -> list[list[list[int]]]:
+def pending_ranges(state: Members) -> list[list[list[int]]]:
     """Per fragment, the data ranges of accepted pushes waiting in open rounds."""
     return [[r for x in f.pending.values() for r in x.data] for f in state.fragments]
 
 
-def lease(state: Any, learner_id: int, flushed: bool) -> ledger_lib.Grant:
+def lease(state: Members, learner_id: int, flushed: bool) -> ledger_lib.Grant:
     """Hands a registered learner a lease of data not covered yet (`Ledger.grant`)."""
     with state.lock:
         if state.ledger is None:
@@ -131,11 +157,11 @@ def lease(state: Any, learner_id: int, flushed: bool) -> ledger_lib.Grant:
         grant = state.ledger.grant(learner_id, live, flushed, pending_ranges(state))
         grant.live = len(live)
         if grant.status == "granted":
-            state._changed("lease", learner_id, grant.lease)
+            state.record_change("lease", learner_id, grant.lease)
         return grant
 
 
-def check_data(state: Any, learner_id: int, steps: int, data: list[list[int]]) -> str | None:
+def check_data(state: Members, learner_id: int, steps: int, data: list[list[int]]) -> str | None:
     """Why a push's data ranges are refused (None: none given, or they are sound).
 
     They must lie inside leases the learner was handed, and count its inner steps: one batch
@@ -154,19 +180,19 @@ def check_data(state: Any, learner_id: int, steps: int, data: list[list[int]]) -
     return error
 
 
-def log_membership(state: Any, event: str, learner_id: int) -> None:
+def log_membership(state: Members, event: str, learner_id: int) -> None:
     """Logs a change of the live set (call under the state's lock)."""
     live = set(state.live_learners(state.clock()))
     state.membership.append(
         {"time": round(time.time(), 3), "event": event, "learner": learner_id, "live": sorted(live)}
     )
     del state.membership[:-MEMBERSHIP_KEPT]  # bounded: a crash-looping learner cannot grow it
-    state._live = live
+    state.live_ids = live
 
 
-def check_membership(state: Any) -> None:
+def check_membership(state: Members) -> None:
     """Logs learners that left the live set since the last call (call under the lock)."""
     live = set(state.live_learners(state.clock()))
-    for i in sorted(state._live - live):
+    for i in sorted(state.live_ids - live):
         log_membership(state, "left" if state.learners[i].state == "done" else "lost", i)
-    state._live = live
+    state.live_ids = live

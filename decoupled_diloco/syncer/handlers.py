@@ -11,15 +11,32 @@ pre-encoded bytes (`wire.data_chunk`), which saves two copies per chunk.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
-if TYPE_CHECKING:
-    from decoupled_diloco.syncer.service import SyncerService
+from decoupled_diloco.syncer.guard import Guard
+
+Handler = Callable[..., Any]
 
 
-def control_call(service: SyncerService, method: Callable[..., Any]) -> Callable[..., Any]:
+class Served(Protocol):
+    """What the handlers need of a service (`service.SyncerService` is one)."""
+
+    control: Guard  # admits the control calls: slots per caller, idle cuts
+
+    def authorize(self, context: grpc.ServicerContext) -> int:
+        """The caller's identity from the call's metadata; aborts the call if it has none."""
+
+    Register: Handler  # (identity, raw request or None, context) -> reply
+    Heartbeat: Handler
+    Status: Handler
+    Lease: Handler
+    Push: Handler  # (request iterator of raw bytes, context) -> reply
+    Pull: Handler  # (request iterator, context) -> iterator of replies or raw bytes
+
+
+def control_call(service: Served, method: Callable[..., Any]) -> Callable[..., Any]:
     """A unary call served as a stream: the secret is checked before the body is read.
 
     gRPC would otherwise read a unary request's body on the worker thread before any
@@ -27,12 +44,12 @@ def control_call(service: SyncerService, method: Callable[..., Any]) -> Callable
     sending it. The body is read under the control calls' guard (slots, idle cut).
 
     Args:
-      service: the service whose `_authorize` and `control` guard admit the call.
+      service: the service whose `authorize` and `control` guard admit the call.
       method: its handler, called with (identity, the raw request or None, context).
     """
 
     def handler(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-        identity = service._authorize(context)
+        identity = service.authorize(context)
         with service.control.call(identity, context, method.__name__) as activity:
             try:
                 raw = next(request_iterator, None)
@@ -50,7 +67,7 @@ def _serialize(message: Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def add_service(service: SyncerService, server: grpc.Server) -> None:
+def add_service(service: Served, server: grpc.Server) -> None:
     """Registers the handlers; the data calls take and give raw bytes (see `wire.data_chunk`).
 
     Mirrors the generated `add_SyncerServicer_to_server`, except that every request arrives as
@@ -58,11 +75,15 @@ def add_service(service: SyncerService, server: grpc.Server) -> None:
     a byte of the body; on the wire a unary request is the same) and Pull responses may be
     pre-encoded bytes, which saves two copies per chunk.
     """
+    control = {
+        "Register": service.Register,
+        "Heartbeat": service.Heartbeat,
+        "Status": service.Status,
+        "Lease": service.Lease,
+    }
     handlers = {
-        name: grpc.stream_unary_rpc_method_handler(
-            control_call(service, getattr(service, name)), None, _serialize
-        )
-        for name in ("Register", "Heartbeat", "Status", "Lease")
+        name: grpc.stream_unary_rpc_method_handler(control_call(service, method), None, _serialize)
+        for name, method in control.items()
     }
     handlers.update(
         {

@@ -90,7 +90,7 @@ class SyncerMetrics(Collector):
             "Calls refused before or by the state, by gRPC status code.",
             labels=["shard", "code"],
         )
-        with s._counting:
+        with s.counting_lock:
             codes, traffic = dict(s.refused), dict(s.traffic)
         for code in sorted(set(_CODES) | set(codes)):  # from 0: rate() sees the first one
             refused.add_metric([shard, code], codes.get(code, 0))

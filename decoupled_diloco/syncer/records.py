@@ -127,7 +127,9 @@ class LearnerInfo:
     bytes_received: int = 0
     sync_rounds: int = 0
     incarnation: int = -1  # of its last registration (0 for the first); older pushes refused
-    dropped_pushes: int = 0  # accepted pushes whose merge was refused (`SyncerState._merge`)
+    dropped_pushes: int = (
+        0  # accepted pushes whose merge was refused (`SyncerState.merge_fragment`)
+    )
     # The syncer's own view of its pace: (step, time) where the current window began, and the
     # wall time per step it saw over the last full window (`observe_pace`).
     pace_from: tuple[int, float] | None = None

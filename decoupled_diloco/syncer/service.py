@@ -32,7 +32,6 @@ from decoupled_diloco.core import compression
 from decoupled_diloco.syncer import admission, elastic, streams
 from decoupled_diloco.syncer.downlink import Downlink
 from decoupled_diloco.syncer.guard import Guard, control_slots, data_slots, streams_per_learner
-from decoupled_diloco.syncer.handlers import add_service as add_service  # re-exported
 from decoupled_diloco.syncer.payloads import Payload
 from decoupled_diloco.syncer.records import Push
 from decoupled_diloco.syncer.state import PushRefused, SyncerState
@@ -93,26 +92,26 @@ class SyncerService(pb_grpc.SyncerServicer):
         # For `syncer.metrics`: refusals by status code, payload bytes in (pushes) and out.
         self.refused: collections.Counter[str] = collections.Counter()
         self.traffic = {"received": 0, "sent": 0}
-        self._counting = threading.Lock()
+        self.counting_lock = threading.Lock()
 
     def _count(self, what: str, n: int) -> None:
-        with self._counting:
+        with self.counting_lock:
             self.traffic[what] += n
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         """Ends the call with `code` and `message`, counted by code (`refused`)."""
-        with self._counting:
+        with self.counting_lock:
             self.refused[code.name.lower()] += 1
         context.abort(code, message)
 
     def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         """`_abort` for a request that is malformed or not allowed (also counted and logged)."""
-        with self._counting:
+        with self.counting_lock:
             self.malformed += 1
         logging.log_every_n_seconds(logging.WARNING, "[syncer] refused: %s", 5.0, message)
         self._abort(context, code, message)
 
-    def _authorize(self, context: grpc.ServicerContext) -> int:
+    def authorize(self, context: grpc.ServicerContext) -> int:
         """The caller's identity (`auth.OPERATOR` or a learner id), or UNAUTHENTICATED."""
         got = dict(context.invocation_metadata()).get(wire.TOKEN_HEADER, "")
         identity = auth.identify(got if isinstance(got, str) else "", self.token)
@@ -254,7 +253,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         return pb.StatusReply(json=json.dumps(status))
 
     def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
-        identity = self._authorize(context)
+        identity = self.authorize(context)
         with self.guard.call(identity, context, "push") as activity:
             try:
                 return self._push(identity, request_iterator, context, activity)
@@ -416,7 +415,7 @@ class SyncerService(pb_grpc.SyncerServicer):
         self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     def Pull(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):  # noqa: D102
-        identity = self._authorize(context)
+        identity = self.authorize(context)
         with self.guard.call(identity, context, "pull") as activity:
             try:
                 raw = next(request_iterator, None)

@@ -129,7 +129,7 @@ class SyncerState:
         self.learners: dict[int, LearnerInfo] = {}
         # Joins, restarts, leaves and losses of learners, in order (`syncer.elastic`).
         self.membership: list[dict[str, Any]] = []
-        self._live: set[int] = set()
+        self.live_ids: set[int] = set()
         self.ema_step, self.ema_quorum, self.ema_sync = (Ema(d.ema_decay) for _ in range(3))
         self.merge_log: list[dict[str, Any]] = []
         # How many learners each merge combined: index k counts merges of k outer gradients.
@@ -232,10 +232,10 @@ class SyncerState:
                         f"{bound} (config.max_push_steps)"
                     )
                 try:
-                    self._add(frag, push)
+                    self.add_push(frag, push)
                 except Exception as error:  # noqa: BLE001 - a half-done fold: drop the round
                     pushes = [frag.pending[i] for i in sorted(frag.pending)]
-                    self._refuse_merge(
+                    self.refuse_merge(
                         push.fragment, pushes, f"a fold failed: {type(error).__name__}: {error}"
                     )
                     raise PushRefused(
@@ -247,8 +247,8 @@ class SyncerState:
             self.seen[key] = result
             info.pushes += 1
             info.last_seen = self.clock()
-            self._changed("push", key, push)
-            self._maybe_close(push.fragment)
+            self.record_change("push", key, push)
+            self.maybe_close(push.fragment)
             self.lock.notify_all()
             return result
 
@@ -260,7 +260,7 @@ class SyncerState:
         pending = [r for x in frag.pending.values() for r in x.data]
         return self.ledger.held(push.fragment, push.data, pending)
 
-    def _add(self, frag: FragmentState, push: Push) -> None:
+    def add_push(self, frag: FragmentState, push: Push) -> None:
         """Folds an accepted push into its fragment's open round (superseding its earlier one)."""
         self.math[push.fragment].add(frag, push, self._release)
         if frag.first_push_t is None:
@@ -282,7 +282,7 @@ class SyncerState:
             for _, payload in parts:
                 self.store.release(payload.path, self.seq + 1)
 
-    def _maybe_close(self, p: int) -> None:
+    def maybe_close(self, p: int) -> None:
         """Starts the grace window at quorum; merges when it has passed or all have pushed."""
         frag, now = self.fragments[p], self.clock()
         if not frag.pending:
@@ -305,14 +305,14 @@ class SyncerState:
             )
         everyone = set(live) <= set(frag.pending)
         if everyone or now >= frag.quorum_t + frag.grace_s:
-            self._merge(p)
+            self.merge_fragment(p)
 
     def tick(self) -> None:
         """Closes every round whose grace window has passed (call periodically)."""
         with self.lock:
             elastic.check_membership(self)
             for p in range(len(self.fragments)):
-                self._maybe_close(p)
+                self.maybe_close(p)
 
     def next_deadline(self) -> float | None:
         """The earliest time a round may close by its grace window, if any is waiting."""
@@ -320,7 +320,7 @@ class SyncerState:
             times = [f.quorum_t + f.grace_s for f in self.fragments if f.quorum_t is not None]
             return min(times) if times else None
 
-    def _merge(self, p: int, live: int | None = None) -> None:
+    def merge_fragment(self, p: int, live: int | None = None) -> None:
         """Closes fragment p's round (see `_close`); a close that fails drops the round.
 
         The round's sums are changed in place as it closes, so a failure half-way (a push file
@@ -332,7 +332,7 @@ class SyncerState:
         except Exception as error:  # noqa: BLE001 - any failure: the same consistent way out
             frag = self.fragments[p]
             pushes = [frag.pending[i] for i in sorted(frag.pending)]
-            self._refuse_merge(p, pushes, f"the merge failed: {type(error).__name__}: {error}")
+            self.refuse_merge(p, pushes, f"the merge failed: {type(error).__name__}: {error}")
 
     def _close(self, p: int, live: int) -> None:
         """Closes fragment p's round (`syncer.merge`) and installs the result if it passes.
@@ -344,7 +344,7 @@ class SyncerState:
         pushes = [frag.pending[i] for i in sorted(frag.pending)]
         result = self.math[p].close(frag, pushes, live)
         if isinstance(result, str):
-            self._refuse_merge(p, pushes, result)
+            self.refuse_merge(p, pushes, result)
             return
         frag.opt_state = result.opt_state
         if self.merge_hook is not None:
@@ -370,9 +370,9 @@ class SyncerState:
         frag.closed_t = now
         for x in pushes:
             self._release(x.parts)
-        self._changed("merge", p, live)
+        self.record_change("merge", p, live)
 
-    def _refuse_merge(self, p: int, pushes: list[Pending], error: str) -> None:
+    def refuse_merge(self, p: int, pushes: list[Pending], error: str) -> None:
         """Drops a round whose merge failed its check; the fragment stays as it was."""
         frag = self.fragments[p]
         frag.refused_merges += 1
@@ -394,9 +394,9 @@ class SyncerState:
         frag.opt_state = self.math[p].step.init()
         for x in pushes:
             self._release(x.parts)
-        self._changed("refuse", p)  # a restart must not bring the dropped pushes back
+        self.record_change("refuse", p)  # a restart must not bring the dropped pushes back
 
-    def _changed(self, kind: str, *args: Any) -> None:
+    def record_change(self, kind: str, *args: Any) -> None:
         """Counts a change a restart must not lose, and logs it to the write-ahead log if any."""
         self.seq += 1
         if self.wal is not None:

@@ -61,7 +61,7 @@ def wait_for(
             if left <= 0 or not alive():
                 return -1, []
             state.lock.wait(min(left, 0.05))
-            state._maybe_close(p)
+            state.maybe_close(p)
         return frag.published, frag.published_values
 
 

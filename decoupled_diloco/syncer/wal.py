@@ -50,7 +50,7 @@ class WriteAheadLog:
         self.records = 0
 
     def record(self, state: SyncerState, kind: str, *args: Any) -> None:
-        """Appends the result of change `kind` (`SyncerState._changed`); call under its lock."""
+        """Appends the result of change `kind` (`SyncerState.record_change`), under its lock."""
         header, arrays = _describe(state, kind, *args)
         self.append(header, arrays)
 
@@ -202,7 +202,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
             delta = (
                 arrays if described is None else Payload.described(described, f.specs, state.store)
             )
-            state._add(f, Push(**entry, delta=delta))
+            state.add_push(f, Push(**entry, delta=delta))
         state.seen[(learner, p, rnd)] = result
         f.late = header["late"]
         info = state.learners.setdefault(learner, LearnerInfo())
@@ -210,7 +210,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
     elif kind == "refuse":
         p = header["fragment"]
         f = state.fragments[p]
-        state._refuse_merge(p, [f.pending[i] for i in sorted(f.pending)], "replayed")
+        state.refuse_merge(p, [f.pending[i] for i in sorted(f.pending)], "replayed")
         f.refused_merges = header["refused"]
         for i, dropped in header["dropped"].items():
             state.learners.setdefault(int(i), LearnerInfo()).dropped_pushes = dropped
@@ -219,7 +219,7 @@ def apply(state: SyncerState, header: dict[str, Any], arrays: list[np.ndarray]) 
         f = state.fragments[p]
         hook, state.merge_hook = state.merge_hook, None
         try:
-            state._merge(p, live=header.get("live"))
+            state.merge_fragment(p, live=header.get("live"))
         finally:
             state.merge_hook = hook
         if f.version != header["version"]:
