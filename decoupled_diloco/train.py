@@ -25,6 +25,7 @@ from decoupled_diloco.models.transformer import count_params
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.obs import workdir as workdir_lib
 from decoupled_diloco.obs.metrics import MetricsWriter, Progress, make_writers, write_summary
+from decoupled_diloco.obs.summary import RunSummary
 from decoupled_diloco.obs.writers import MetricWriter
 from decoupled_diloco.trainers import DataParallelTrainer, DiLoCoTrainer
 
@@ -298,34 +299,33 @@ def train_and_evaluate(
     if end_step == start_step:  # Nothing left to train: report the restored model.
         eval_metrics = evaluate(trainer.global_params(), val_batches)
     params = jax.device_get(trainer.global_params())
-    summary = {
-        "mode": config.mode,
-        "num_learners": config.num_learners,
-        "inner_steps": config.inner_steps,
-        "train_steps": config.train_steps,
-        "steps_done": end_step,
-        "resumed_from_step": start_step,
-        "tokens": end_step * tokens_per_step,
-        "wall_s": time.perf_counter() - t_start,
-        "train_wall_s": progress.elapsed(),
-        "final_eval_loss": eval_metrics.get("loss"),
-        **{f"final_eval_{k}": v for k, v in eval_metrics.items() if k != "loss"},
-        "task": task.identity(),
-        "token_unit": task.token_unit,
-        "final_train_loss": float(np.mean(jax.device_get(losses))) if losses else None,
-        "outer_syncs": trainer.syncs,
-        "params": count_params(params),
-        "bytes_sent": traffic(end_step, trainer.syncs),
-        "bytes_received": traffic(end_step, trainer.syncs),
-        "dp_equivalent_bytes": config.num_learners * ring * end_step,
-        dataset_lib.describe(data)[0]: dataset_lib.describe(data)[1],
-        "config": dataclasses.asdict(config),
-    }
+    resilience = {}
     if timeline is not None:  # goodput and uptime, as every mode reports them
         result = timeline_lib.analyze(timeline_lib.load(timeline.path.parent))
-        summary.update(goodput=result.goodput, uptime=result.uptime, lost_steps=result.lost_steps)
-        summary.update(failures_injected=0, recoveries=0, max_staleness=0)
+        resilience = dict(
+            goodput=result.goodput, uptime=result.uptime, lost_steps=result.lost_steps
+        )
+        resilience.update(failures_injected=0, recoveries=0, max_staleness=0)
         timeline.close()
+    summary = RunSummary(
+        config=config,
+        steps_done=end_step,
+        tokens=end_step * tokens_per_step,
+        wall_s=time.perf_counter() - t_start,
+        train_wall_s=progress.elapsed(),
+        eval_metrics=eval_metrics,
+        task=task.identity(),
+        token_unit=task.token_unit,
+        data=dataset_lib.describe(data),
+        final_train_loss=float(np.mean(jax.device_get(losses))) if losses else None,
+        outer_syncs=trainer.syncs,
+        params=count_params(params),
+        bytes_sent=traffic(end_step, trainer.syncs),
+        bytes_received=traffic(end_step, trainer.syncs),
+        dp_equivalent_bytes=config.num_learners * ring * end_step,
+        resilience=resilience,
+        extra={"resumed_from_step": start_step},
+    ).as_dict()
     if writer:
         writer.close()
         write_summary(workdir, summary)

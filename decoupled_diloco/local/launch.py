@@ -44,6 +44,7 @@ from decoupled_diloco.local.evaluator import GlobalEvaluator
 from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.obs import monitor as monitor_lib
 from decoupled_diloco.obs.metrics import make_writers, write_summary
+from decoupled_diloco.obs.summary import RunSummary
 
 
 def _start_syncers(
@@ -288,43 +289,43 @@ def run_decoupled(
         restore_signals()
         if failed and monitor is not None:  # (after the children are gone: never delays them)
             monitor.stop()
-    summary = {
-        "mode": config.mode,
-        "num_learners": config.num_learners,
-        "inner_steps": config.inner_steps,
-        "train_steps": config.train_steps,
-        "steps_done": _steps_done(config, learners, status.get("data_ledger")),
-        "tokens": sum(x["tokens"] for x in learners),
-        "wall_s": time.perf_counter() - t_start,
-        "train_wall_s": max(x["train_wall_s"] for x in learners),
-        "final_eval_loss": eval_loss,
-        **{f"final_eval_{k}": v for k, v in evaluator.metrics.items() if k != "loss"},
-        "task": task.identity(),
-        "token_unit": task.token_unit,
-        evaluator.data_key: evaluator.data_facts,
-        "final_train_loss": float(np.mean([x["final_loss"] for x in learners])),
-        "outer_syncs": status["merges"],
-        "merge_sizes": status["merge_sizes"],
-        "fragments": status["fragments"],
-        "merge_log": status.get("merge_log", []),  # the syncer's last 200 merges
-        # Data leases (`syncer.ledger`): every window of the budget in the global model once?
-        "data_ledger": status.get("data_ledger"),
-        "membership": status.get("membership", []),  # joins, restarts, leaves, losses
-        "stall_fraction_max": max(x["stall_fraction"] for x in learners),
-        "learners": learners,
-        "params": int(sum(x.size for x in jax.tree.leaves(params))),
+    num_params = int(sum(x.size for x in jax.tree.leaves(params)))
+    summary = RunSummary(
+        config=config,
+        steps_done=_steps_done(config, learners, status.get("data_ledger")),
+        tokens=sum(x["tokens"] for x in learners),
+        wall_s=time.perf_counter() - t_start,
+        train_wall_s=max(x["train_wall_s"] for x in learners),
+        eval_metrics={"loss": eval_loss, **evaluator.metrics},
+        task=task.identity(),
+        token_unit=task.token_unit,
+        data=(evaluator.data_key, evaluator.data_facts),
+        final_train_loss=float(np.mean([x["final_loss"] for x in learners])),
+        outer_syncs=status["merges"],
+        params=num_params,
         # Traffic of all learners' pushes and pulls (headers included), next to what a ring
         # all-reduce of float32 gradients every step would have moved for the same steps.
-        "bytes_sent": sum(x.get("bytes_sent", 0) for x in learners),
-        "bytes_received": sum(x.get("bytes_received", 0) for x in learners),
-        "dp_equivalent_bytes": sum(x["steps"] for x in learners)
-        * ring_allreduce_bytes(config.num_learners, sum(x.size for x in jax.tree.leaves(params))),
+        bytes_sent=sum(x.get("bytes_sent", 0) for x in learners),
+        bytes_received=sum(x.get("bytes_received", 0) for x in learners),
+        dp_equivalent_bytes=sum(x["steps"] for x in learners)
+        * ring_allreduce_bytes(config.num_learners, num_params),
         # Goodput, uptime, faults and recoveries (see `timeline` for the definitions).
-        **chaos_run.chaos_summary(workdir, events, t_end=time.time()),
-        "max_staleness": status.get("max_staleness", 0),
-        **({"wan": links} if links else {}),  # `decoupled.wan_mbit`: what each link carried
-        "config": dataclasses.asdict(config),
-    }
+        resilience={
+            **chaos_run.chaos_summary(workdir, events, t_end=time.time()),
+            "max_staleness": status.get("max_staleness", 0),
+        },
+        extra={
+            "merge_sizes": status["merge_sizes"],
+            "fragments": status["fragments"],
+            "merge_log": status.get("merge_log", []),  # the syncer's last 200 merges
+            # Data leases (`syncer.ledger`): every window of the budget in the model once?
+            "data_ledger": status.get("data_ledger"),
+            "membership": status.get("membership", []),  # joins, restarts, leaves, losses
+            "stall_fraction_max": max(x["stall_fraction"] for x in learners),
+            "learners": learners,
+            **({"wan": links} if links else {}),  # `decoupled.wan_mbit`: what each link carried
+        },
+    ).as_dict()
     if (ledger := summary["data_ledger"]) is not None:  # the invariant, checked every run
         print(
             f"[decoupled] data ledger: {ledger['consumed_once']} of {ledger['windows']} windows "
