@@ -20,7 +20,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -211,38 +211,9 @@ def run_decoupled(
                 workdir / "timeline",
             )
 
-        def start_learner(i: int) -> None:
-            """Starts learner i's process(es): a starting learner, or one that joins."""
-            if i >= config.num_learners and not config_lib.data_leases(config):
-                raise ValueError(
-                    f"learner {i} cannot join: learners beyond num_learners={config.num_learners}"
-                    " need data leases (decoupled.data_shards > 0, one syncer shard)"
-                )
-            if not 0 <= i < config_lib.max_learners(config):
-                raise ValueError(
-                    f"learner {i} cannot join: ids stop at decoupled.max_learners="
-                    f"{config_lib.max_learners(config)}"
-                )
-            summary = workdir / f"learner_{i}.json"
-            summary.unlink(missing_ok=True)
-            metrics = metrics_flags(workdir, f"learner_{i}", config, metrics_urls)
-            reach = [shaping.address(ports, i, j) for j in range(config.decoupled.island_processes)]
-            island = island_commands(
-                config, config_file, reach, i, summary, shaping.coordinator_host(i)
-            )
-            for j, (name, command) in enumerate(island):
-                leader = j == 0
-                # A learner holds only its own credential: it can act as itself, not as others
-                # (and the metrics-only scrape secret its metrics accept: `learner.metrics`).
-                env = {
-                    **chaos_run.learner_env(i, leader),
-                    wire.TOKEN_ENV: auth.learner_credential(token, i),
-                    **({auth.SCRAPE_ENV: auth.scrape_secret(token)} if metrics else {}),
-                    **shaping.env,  # the in-process pacer's controls, if it paces
-                }
-                command = shaping.learner(i, command + metrics, j)
-                supervisor.add(name, command, learners=[i], env=env)
-
+        start_learner = _learner_starter(
+            config, workdir, config_file, token, ports, metrics_urls, shaping, supervisor
+        )
         for i in range(config.num_learners):
             start_learner(i)
         # Joins and leaves: the chaos schedule's, and `status --add_learner/--remove_learner`.
@@ -261,13 +232,7 @@ def run_decoupled(
             injector.halt.set()
             supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval
             client.wait_ready(120)
-        # Every learner that trained: the starting ones and those that joined (one that was
-        # asked to leave before it could write its summary has none).
-        left = {i for c in supervisor.children.values() if c.left for i in c.learners}
-        paths = {i: workdir / f"learner_{i}.json" for i in supervisor.learner_ids()}
-        learners = [
-            json.loads(p.read_text()) for i, p in paths.items() if i not in left or p.exists()
-        ]
+        learners = _learner_summaries(supervisor, workdir)
         params, eval_loss = evaluator()
         if monitor is not None:  # the last poll, while the syncer still answers
             monitor.finish(f"training finished: final eval loss {eval_loss:.4f}")
@@ -289,12 +254,113 @@ def run_decoupled(
         restore_signals()
         if failed and monitor is not None:  # (after the children are gone: never delays them)
             monitor.stop()
+    summary = _summary(
+        config, task, learners, status, evaluator, eval_loss, params, workdir, events, links
+    )
+    summary["wall_s"] = time.perf_counter() - t_start  # (the whole job, summary included)
+    if (ledger := summary["data_ledger"]) is not None:  # the invariant, checked every run
+        _print_ledger(ledger)
+    try:
+        path = write_summary(workdir, summary)
+        if schedule is not None:  # under faults: the picture of who did what when
+            chaos_run.write_timeline_png(workdir)
+    except BaseException:
+        if monitor is not None:
+            monitor.stop()
+        raise
+    if monitor is not None:  # the page stays up (the caller stops it) with the final state
+        monitor.note(f"summary: {path}")
+    return summary, params, monitor
+
+
+def _learner_starter(
+    config: config_lib.ExperimentConfig,
+    workdir: pathlib.Path,
+    config_file: pathlib.Path,
+    token: str,
+    ports: Any,
+    metrics_urls: dict[str, str],
+    shaping: wan.Shaping,
+    supervisor: supervisor_lib.Supervisor,
+) -> Callable[[int], None]:
+    """What starts learner i's process(es) under `supervisor`, at the start or when it joins."""
+
+    def start_learner(i: int) -> None:
+        """Starts learner i's process(es): a starting learner, or one that joins."""
+        if i >= config.num_learners and not config_lib.data_leases(config):
+            raise ValueError(
+                f"learner {i} cannot join: learners beyond num_learners={config.num_learners}"
+                " need data leases (decoupled.data_shards > 0, one syncer shard)"
+            )
+        if not 0 <= i < config_lib.max_learners(config):
+            raise ValueError(
+                f"learner {i} cannot join: ids stop at decoupled.max_learners="
+                f"{config_lib.max_learners(config)}"
+            )
+        summary = workdir / f"learner_{i}.json"
+        summary.unlink(missing_ok=True)
+        metrics = metrics_flags(workdir, f"learner_{i}", config, metrics_urls)
+        reach = [shaping.address(ports, i, j) for j in range(config.decoupled.island_processes)]
+        island = island_commands(
+            config, config_file, reach, i, summary, shaping.coordinator_host(i)
+        )
+        for j, (name, command) in enumerate(island):
+            leader = j == 0
+            # A learner holds only its own credential: it can act as itself, not as others
+            # (and the metrics-only scrape secret its metrics accept: `learner.metrics`).
+            env = {
+                **chaos_run.learner_env(i, leader),
+                wire.TOKEN_ENV: auth.learner_credential(token, i),
+                **({auth.SCRAPE_ENV: auth.scrape_secret(token)} if metrics else {}),
+                **shaping.env,  # the in-process pacer's controls, if it paces
+            }
+            command = shaping.learner(i, command + metrics, j)
+            supervisor.add(name, command, learners=[i], env=env)
+
+    return start_learner
+
+
+def _learner_summaries(
+    supervisor: supervisor_lib.Supervisor, workdir: pathlib.Path
+) -> list[dict[str, Any]]:
+    """The summaries of every learner that trained, the starting ones and those that joined.
+
+    (One asked to leave before it could write its summary has none.)
+    """
+    left = {i for c in supervisor.children.values() if c.left for i in c.learners}
+    paths = {i: workdir / f"learner_{i}.json" for i in supervisor.learner_ids()}
+    return [json.loads(p.read_text()) for i, p in paths.items() if i not in left or p.exists()]
+
+
+def _print_ledger(ledger: dict[str, Any]) -> None:
+    print(
+        f"[decoupled] data ledger: {ledger['consumed_once']} of {ledger['windows']} windows "
+        f"consumed once, {ledger['missing']} missing ({ledger['missing_pending']} in rounds "
+        f"still open), {ledger['repeated']} repeated; leases handed again "
+        f"{ledger['leases_handed_again']}",
+        flush=True,
+    )
+
+
+def _summary(
+    config: config_lib.ExperimentConfig,
+    task: Any,
+    learners: list[dict[str, Any]],
+    status: dict[str, Any],
+    evaluator: GlobalEvaluator,
+    eval_loss: float,
+    params: Any,
+    workdir: pathlib.Path,
+    events: supervisor_lib.EventLog,
+    links: dict[str, Any],
+) -> dict[str, Any]:
+    """The job's summary: the learners' summaries, the syncer's last status, the evaluation."""
     num_params = int(sum(x.size for x in jax.tree.leaves(params)))
-    summary = RunSummary(
+    return RunSummary(
         config=config,
         steps_done=_steps_done(config, learners, status.get("data_ledger")),
         tokens=sum(x["tokens"] for x in learners),
-        wall_s=time.perf_counter() - t_start,
+        wall_s=0.0,  # the caller's: it started the job
         train_wall_s=max(x["train_wall_s"] for x in learners),
         eval_metrics={"loss": eval_loss, **evaluator.metrics},
         task=task.identity(),
@@ -326,25 +392,6 @@ def run_decoupled(
             **({"wan": links} if links else {}),  # `decoupled.wan_mbit`: what each link carried
         },
     ).as_dict()
-    if (ledger := summary["data_ledger"]) is not None:  # the invariant, checked every run
-        print(
-            f"[decoupled] data ledger: {ledger['consumed_once']} of {ledger['windows']} windows "
-            f"consumed once, {ledger['missing']} missing ({ledger['missing_pending']} in rounds "
-            f"still open), {ledger['repeated']} repeated; leases handed again "
-            f"{ledger['leases_handed_again']}",
-            flush=True,
-        )
-    try:
-        path = write_summary(workdir, summary)
-        if schedule is not None:  # under faults: the picture of who did what when
-            chaos_run.write_timeline_png(workdir)
-    except BaseException:
-        if monitor is not None:
-            monitor.stop()
-        raise
-    if monitor is not None:  # the page stays up (the caller stops it) with the final state
-        monitor.note(f"summary: {path}")
-    return summary, params, monitor
 
 
 def _shaping(
