@@ -72,6 +72,8 @@ _EXPORTS = {
     "DecoupledSync": "decoupled_diloco.learner.link",
     "SyncerServer": "decoupled_diloco.syncer.server",
     "SyncerClient": "decoupled_diloco.comm.client",
+    # The client `DecoupledSync(client=)` takes: of one syncer, or of its S shards.
+    "syncer_client": "decoupled_diloco.comm.shards",
     # The outer math every mode shares.
     "outer_gradient": "decoupled_diloco.core.outer",
     "outer_round": "decoupled_diloco.core.outer",
@@ -85,6 +87,7 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # the same names, eagerly, for IDEs and type checkers (tests/test_api.py)
     from decoupled_diloco.comm.client import SyncerClient
+    from decoupled_diloco.comm.shards import syncer_client
     from decoupled_diloco.config import (
         CheckpointConfig,
         CompressionConfig,

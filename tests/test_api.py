@@ -44,3 +44,22 @@ def test_importing_the_package_does_not_start_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"  # the config needs no JAX; it loads on first use
+
+
+def test_a_client_of_the_wrong_shard_count_is_refused_by_decoupled_sync():
+    import jax.numpy as jnp
+    import pytest
+
+    from tests.conftest import tiny_config
+
+    config = tiny_config(mode="decoupled", **{"decoupled.syncer.shards": 2})
+    one = dd.SyncerClient("127.0.0.1:1", config.decoupled.syncer, "t")
+    try:
+        params = {"w": jnp.zeros((4, 4))}
+        with pytest.raises(ValueError, match=r"1 syncer shard\(s\).*shards=2"):
+            dd.DecoupledSync(config, 0, client=one, params=params)
+    finally:
+        one.close()
+    two = dd.syncer_client("127.0.0.1:1,127.0.0.1:2", config.decoupled.syncer, "t")
+    assert len(two.clients) == 2  # what DecoupledSync(client=) takes with 2 shards
+    two.close()

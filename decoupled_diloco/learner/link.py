@@ -67,7 +67,8 @@ class DecoupledSync:
       task: whose identity registration checks against the syncer's (`Task.fingerprint`);
         default: `make_task(config)` (`config.task`, or the built-in model).
       token: the run token or this learner's credential (default: config or `DD_RUN_TOKEN`).
-      client: a `comm.shards.syncer_client` (one client per syncer shard), instead of `syncer`.
+      client: what `dd.syncer_client` returns (one client per syncer shard), instead of
+        `syncer`.
       abstract_params: the parameter tree's shapes and dtypes, instead of `params`.
       shardings: the parameters' shardings on this learner's mesh (same tree).
       mesh_name: reported at registration, e.g. "2x1".
@@ -102,6 +103,14 @@ class DecoupledSync:
             from decoupled_diloco.comm.shards import syncer_client
 
             client = syncer_client(syncer, config.decoupled.syncer, token)
+        shards = len(getattr(client, "clients", [client]))  # a `ShardedClient` holds one per shard
+        if shards != config.decoupled.syncer.shards:
+            raise ValueError(
+                f"DecoupledSync: client= talks to {shards} syncer shard(s), but "
+                f"decoupled.syncer.shards={config.decoupled.syncer.shards}: make it with "
+                "dd.syncer_client('HOST:PORT,...', config.decoupled.syncer, token), one address "
+                "per shard"
+            )
         if abstract_params is None:
             if params is None:
                 raise ValueError("DecoupledSync: give params= (or abstract_params and shardings)")
