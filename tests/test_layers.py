@@ -189,6 +189,10 @@ def _private_reads(tree: ast.AST) -> list[str]:
         if isinstance(base, ast.Call) and ast.unparse(base.func) == "super":
             continue
         found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    for node in ast.walk(tree):  # `from decoupled_diloco.x import _name`
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PKG):
+            hidden = [a.name for a in node.names if a.name.startswith("_")]
+            found += [f"line {node.lineno}: from {node.module} import {h}" for h in hidden]
     return found
 
 
@@ -205,7 +209,10 @@ def test_the_checks_can_fail():
     graph = _graph()
     assert graph["decoupled_diloco.learner.loop"], "no imports found at all"
     assert "decoupled_diloco.core.outer" in graph["decoupled_diloco.syncer.state"]
-    planted = "x = other._hidden + self._mine + os._exit"
-    assert _private_reads(ast.parse(planted)) == ["line 1: other._hidden"]
+    planted = "x = other._hidden + self._mine + os._exit\nfrom decoupled_diloco.a import _b, c"
+    assert _private_reads(ast.parse(planted)) == [
+        "line 1: other._hidden",
+        "line 2: from decoupled_diloco.a import _b",
+    ]
     checked = _imports(ROOT / "learner" / "push.py", set(_modules()))  # not exempted here
     assert "decoupled_diloco.learner.link" in checked  # its TYPE_CHECKING import is seen

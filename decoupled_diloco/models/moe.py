@@ -44,15 +44,16 @@ import optax
 from flax import nnx
 
 from decoupled_diloco.config import ModelConfig, MoEConfig
-from decoupled_diloco.models.transformer import Attention, Params, Segments, check_vocab, inputs
+from decoupled_diloco.models.transformer import (
+    Attention,
+    Params,
+    Segments,
+    check_vocab,
+    inputs,
+    sharded_init,
+)
 
 EXPERT_AXIS = "model"  # The island mesh axis the expert dimension is sharded over.
-
-_INIT_STD = 0.02
-
-
-def _init(spec: tuple[str | None, ...]) -> nnx.Initializer:
-    return nnx.with_partitioning(nnx.initializers.normal(_INIT_STD), spec)
 
 
 def expert_capacity(group_size: int, num_experts: int, top_k: int, factor: float) -> int:
@@ -112,12 +113,21 @@ class MoEMLP(nnx.Module):
         self.top_k, self.capacity_factor, self.dtype = moe.top_k, moe.capacity_factor, dtype
         # The router is small and replicated; its logits are float32 whatever the dtype.
         self.router = nnx.Linear(
-            d, e, use_bias=False, kernel_init=_init((None, None)), dtype=jnp.float32, rngs=rngs
+            d,
+            e,
+            use_bias=False,
+            kernel_init=sharded_init((None, None)),
+            dtype=jnp.float32,
+            rngs=rngs,
         )
         key = rngs.params
-        self.gate = nnx.Param(_init((EXPERT_AXIS, None, None))(key(), (e, d, f), jnp.float32))
-        self.up = nnx.Param(_init((EXPERT_AXIS, None, None))(key(), (e, d, f), jnp.float32))
-        self.down = nnx.Param(_init((EXPERT_AXIS, None, None))(key(), (e, f, d), jnp.float32))
+        self.gate = nnx.Param(
+            sharded_init((EXPERT_AXIS, None, None))(key(), (e, d, f), jnp.float32)
+        )
+        self.up = nnx.Param(sharded_init((EXPERT_AXIS, None, None))(key(), (e, d, f), jnp.float32))
+        self.down = nnx.Param(
+            sharded_init((EXPERT_AXIS, None, None))(key(), (e, f, d), jnp.float32)
+        )
 
     def __call__(self, x_GSD: jax.Array) -> tuple[jax.Array, Routing]:
         """Each token's gated sum of its experts' outputs (zero where every choice was full)."""
@@ -164,7 +174,8 @@ class MoETransformer(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         check_vocab(cfg)
         self.embed = nnx.Embed(
-            cfg.vocab_size, cfg.d_model, embedding_init=_init((None, "model")), dtype=dtype,
+            cfg.vocab_size, cfg.d_model, embedding_init=sharded_init((None, "model")),
+            dtype=dtype,
             rngs=rngs,
         )  # fmt: skip
         self.blocks = nnx.List([MoEBlock(cfg, moe, rngs) for _ in range(cfg.num_layers)])
@@ -176,7 +187,7 @@ class MoETransformer(nnx.Module):
                 cfg.d_model,
                 cfg.vocab_size,
                 use_bias=False,
-                kernel_init=_init((None, "model")),
+                kernel_init=sharded_init((None, "model")),
                 dtype=dtype,
                 rngs=rngs,
             )  # fmt: skip

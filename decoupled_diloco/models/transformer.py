@@ -26,12 +26,15 @@ Params = dict[str, Any]
 _INIT_STD = 0.02
 
 
-def _init(spec: tuple[str | None, ...], std: float = _INIT_STD) -> nnx.Initializer:
+def sharded_init(spec: tuple[str | None, ...], std: float = _INIT_STD) -> nnx.Initializer:
+    """Normal(0, std) initialization annotated with the mesh axes `spec` (every model's)."""
     return nnx.with_partitioning(nnx.initializers.normal(std), spec)
 
 
-def _linear(d_in: int, d_out: int, spec: tuple, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=_init(spec), dtype=dtype, rngs=rngs)
+def linear(d_in: int, d_out: int, spec: tuple, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+    """A bias-free linear layer whose kernel is sharded as `spec`."""
+    kernel_init = sharded_init(spec)
+    return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=kernel_init, dtype=dtype, rngs=rngs)
 
 
 def rotary(x_BTNH: jax.Array, base: float, positions_BT: jax.Array | None = None) -> jax.Array:
@@ -80,40 +83,47 @@ def attention_implementation(setting: str, dtype: str, head_dim: int = 64) -> st
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with rotary positions."""
+    """Multi-head self-attention: causal with rotary positions (the LMs), or bidirectional.
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    `causal=False` is the ViT's encoder attention: every patch attends to every patch of its
+    image, positions coming from the model's own embedding, not from rotary.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, causal: bool = True):
         dtype = jnp.dtype(cfg.dtype)
-        self.num_heads, self.rope_base = cfg.num_heads, cfg.rope_base
+        self.num_heads, self.rope_base, self.causal = cfg.num_heads, cfg.rope_base, causal
         head_dim = cfg.d_model // cfg.num_heads
         self.implementation = attention_implementation(cfg.attention, cfg.dtype, head_dim)
         # One kernel each, columns head by head: a `model` axis dividing the heads gives every
         # device whole heads (a fused QKV kernel would be cut across q, k and v).
         self.q, self.k, self.v = (
-            _linear(cfg.d_model, cfg.d_model, (None, "model"), dtype, rngs) for _ in range(3)
+            linear(cfg.d_model, cfg.d_model, (None, "model"), dtype, rngs) for _ in range(3)
         )
-        self.out = _linear(cfg.d_model, cfg.d_model, ("model", None), dtype, rngs)
+        self.out = linear(cfg.d_model, cfg.d_model, ("model", None), dtype, rngs)
 
     def __call__(self, x_ND: jax.Array, batch: int, segments: Segments | None = None) -> jax.Array:
         """Attends within each of the `batch` sequences of flattened tokens `x_ND`.
 
-        Given `segments`, also within each document of a sequence only.
+        Given `segments` (causal only), also within each document of a sequence only.
         """
         tokens, d_model = x_ND.shape
         shape = (batch, tokens // batch, self.num_heads, d_model // self.num_heads)
         q_BTNH, k_BTNH, v_BTNH = (f(x_ND).reshape(shape) for f in (self.q, self.k, self.v))
-        positions = None if segments is None else segments.positions_BT
-        q_BTNH = rotary(q_BTNH, self.rope_base, positions)
-        k_BTNH = rotary(k_BTNH, self.rope_base, positions)
-        if segments is None:
-            o_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BTNH, v_BTNH, is_causal=True, implementation=self.implementation
-            )
-        else:  # the causal mask within each document
-            mask = document_mask(segments.segment_ids_BT)
-            o_BTNH = jax.nn.dot_product_attention(
-                q_BTNH, k_BTNH, v_BTNH, mask=mask, implementation=self.implementation
-            )
+        mask = None
+        if self.causal:
+            positions = None if segments is None else segments.positions_BT
+            q_BTNH = rotary(q_BTNH, self.rope_base, positions)
+            k_BTNH = rotary(k_BTNH, self.rope_base, positions)
+            if segments is not None:  # the causal mask within each document
+                mask = document_mask(segments.segment_ids_BT)
+        o_BTNH = jax.nn.dot_product_attention(
+            q_BTNH,
+            k_BTNH,
+            v_BTNH,
+            mask=mask,
+            is_causal=self.causal and mask is None,
+            implementation=self.implementation,
+        )
         return self.out(o_BTNH.reshape(tokens, d_model))
 
 
@@ -122,9 +132,9 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
-        self.gate = _linear(cfg.d_model, cfg.mlp_hidden, (None, "model"), dtype, rngs)
-        self.up = _linear(cfg.d_model, cfg.mlp_hidden, (None, "model"), dtype, rngs)
-        self.down = _linear(cfg.mlp_hidden, cfg.d_model, ("model", None), dtype, rngs)
+        self.gate = linear(cfg.d_model, cfg.mlp_hidden, (None, "model"), dtype, rngs)
+        self.up = linear(cfg.d_model, cfg.mlp_hidden, (None, "model"), dtype, rngs)
+        self.down = linear(cfg.mlp_hidden, cfg.d_model, ("model", None), dtype, rngs)
 
     def __call__(self, x_ND: jax.Array) -> jax.Array:
         """Applies the gated MLP to each token."""
@@ -134,14 +144,14 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block on flattened tokens (N = B*T, D).
 
-    `attention` builds the attention layer (causal with rotary positions by default; the ViT's
-    encoder passes its bidirectional one).
+    `causal`: causal attention with rotary positions (the LMs); False: bidirectional (the
+    ViT's encoder blocks).
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, attention: type[nnx.Module] = Attention):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, causal: bool = True):
         dtype = jnp.dtype(cfg.dtype)
         self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
-        self.attn = attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, causal=causal)
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.mlp = SwiGLU(cfg, rngs)
 
@@ -161,7 +171,7 @@ class Transformer(nnx.Module):
         self.embed = nnx.Embed(
             cfg.vocab_size,
             cfg.d_model,
-            embedding_init=_init((None, "model")),
+            embedding_init=sharded_init((None, "model")),
             dtype=dtype,
             rngs=rngs,
         )
@@ -171,7 +181,7 @@ class Transformer(nnx.Module):
         self.unembed = (
             None
             if cfg.tie_embeddings
-            else _linear(cfg.d_model, cfg.vocab_size, (None, "model"), dtype, rngs)
+            else linear(cfg.d_model, cfg.vocab_size, (None, "model"), dtype, rngs)
         )
 
     def __call__(self, tokens_BT: jax.Array, segments: Segments | None = None) -> jax.Array:

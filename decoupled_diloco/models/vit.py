@@ -21,17 +21,7 @@ import optax
 from flax import nnx
 
 from decoupled_diloco.config import ModelConfig
-from decoupled_diloco.models.transformer import Block, Params, attention_implementation
-
-_INIT_STD = 0.02
-
-
-def _init(spec: tuple[str | None, ...]) -> nnx.Initializer:
-    return nnx.with_partitioning(nnx.initializers.normal(_INIT_STD), spec)
-
-
-def _linear(d_in: int, d_out: int, spec: tuple, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, kernel_init=_init(spec), dtype=dtype, rngs=rngs)
+from decoupled_diloco.models.transformer import Block, Params, linear, sharded_init
 
 
 def patchify(images_BHWC: jax.Array, patch: int) -> jax.Array:
@@ -39,38 +29,6 @@ def patchify(images_BHWC: jax.Array, patch: int) -> jax.Array:
     b, h, w, c = images_BHWC.shape
     x = images_BHWC.reshape(b, h // patch, patch, w // patch, patch, c)
     return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // patch) * (w // patch), patch * patch * c)
-
-
-class EncoderAttention(nnx.Module):
-    """Bidirectional multi-head self-attention (positions come from `pos_embed`)."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dtype = jnp.dtype(cfg.dtype)
-        self.num_heads = cfg.num_heads
-        head_dim = cfg.d_model // cfg.num_heads
-        self.implementation = attention_implementation(cfg.attention, cfg.dtype, head_dim)
-        # Separate kernels, heads whole on each `model` shard (as `transformer.Attention`).
-        self.q, self.k, self.v = (
-            _linear(cfg.d_model, cfg.d_model, (None, "model"), dtype, rngs) for _ in range(3)
-        )
-        self.out = _linear(cfg.d_model, cfg.d_model, ("model", None), dtype, rngs)
-
-    def __call__(self, x_ND: jax.Array, batch: int) -> jax.Array:
-        """Attends within each of the `batch` images' patch sequences."""
-        tokens, d_model = x_ND.shape
-        shape = (batch, tokens // batch, self.num_heads, d_model // self.num_heads)
-        q_BTNH, k_BTNH, v_BTNH = (f(x_ND).reshape(shape) for f in (self.q, self.k, self.v))
-        o_BTNH = jax.nn.dot_product_attention(
-            q_BTNH, k_BTNH, v_BTNH, implementation=self.implementation
-        )
-        return self.out(o_BTNH.reshape(tokens, d_model))
-
-
-class EncoderBlock(Block):
-    """Pre-norm encoder block on flattened patches (N = B·patches, D): bidirectional attention."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs, attention=EncoderAttention)
 
 
 class ViT(nnx.Module):
@@ -97,13 +55,16 @@ class ViT(nnx.Module):
         dtype = jnp.dtype(cfg.dtype)
         self.patch_size = p
         self.num_patches = (h // p) * (w // p)
-        self.patch_embed = _linear(p * p * c, cfg.d_model, (None, "model"), dtype, rngs)
+        self.patch_embed = linear(p * p * c, cfg.d_model, (None, "model"), dtype, rngs)
         self.pos_embed = nnx.Param(
-            _init((None, "model"))(rngs.params(), (self.num_patches, cfg.d_model), jnp.float32)
+            sharded_init((None, "model"))(
+                rngs.params(), (self.num_patches, cfg.d_model), jnp.float32
+            )
         )
-        self.blocks = nnx.List([EncoderBlock(cfg, rngs) for _ in range(cfg.num_layers)])
+        # Encoder blocks: bidirectional attention over the patches.
+        self.blocks = nnx.List([Block(cfg, rngs, causal=False) for _ in range(cfg.num_layers)])
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
-        self.head = _linear(cfg.d_model, num_classes, ("model", None), dtype, rngs)
+        self.head = linear(cfg.d_model, num_classes, ("model", None), dtype, rngs)
 
     def embed(self, images_BHWC: jax.Array) -> jax.Array:
         """Patch embeddings plus position embeddings, (B, patches, D)."""
