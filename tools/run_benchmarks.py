@@ -18,6 +18,14 @@ from tools.decoupled_variants import BEFORE_GATHER_DEFAULTS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+# RESULTS.md's reading order: quality first, then the decoupled mode, compression, WAN, faults,
+# scale, GPU; a benchmark not named here follows in alphabetical order.
+READING_ORDER = [
+    "quality", "decoupled", "defaults", "models", "muon", "merge_lag",
+    "compression", "transport", "sync_overhead", "wan",
+    "chaos", "calibration", "goodput", "restart", "elastic", "security",
+    "scale", "multihost", "throughput", "data", "demo", "gpu",
+]  # fmt: skip
 
 
 def machine_description() -> str:
@@ -69,7 +77,9 @@ def main() -> None:
         + " before its own `--config.*` flags (the benchmarks pin them themselves: "
         "`tools/decoupled_variants.py`).\n",
     ]
-    for name in names:
+    order = READING_ORDER + sorted(set(names) - set(READING_ORDER))
+    # (gpu.md is written by tools/device_check.py on a GPU machine, not by a bench_ script.)
+    for name in order:
         path = RESULTS_DIR / f"{name}.md"
         if path.exists():
             sections.append(path.read_text())
