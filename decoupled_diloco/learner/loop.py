@@ -201,18 +201,33 @@ class Learner:
 
     def run(self) -> dict[str, Any]:
         """Trains `train_steps` inner steps, then pushes what is left; returns a summary."""
+        dataset, batches = self._data()
+        state = self._start(batches)
+        t_start = time.perf_counter()
+        for step, (batch, where) in enumerate(self._source(dataset, batches), start=self.step + 1):
+            state = self._train_step(state, step, batch, where, batches)
+        train_wall = time.perf_counter() - t_start
+        flush_s = self._finish(state)
+        return self._summary(train_wall, flush_s)
+
+    def _data(self) -> tuple[Any, Any]:
+        """The dataset, and with static shards this learner's iterator (checkpointed with it).
+
+        Raises:
+          ValueError: a ledger unit that does not split over the data devices, or a learner
+            joining beyond `num_learners` without data leases.
+        """
         c = self.config
         dataset = load_dataset(c, task=self.island.task)  # the task's, or the config's data
-        leased = data_leases(c)
         unit = lease_unit(c)  # rows per ledger unit (a batch unless the global batch is constant)
         data_size = dict(self.island.mesh.shape).get("data", 1)
-        if leased and unit % data_size:
+        if data_leases(c) and unit % data_size:
             raise ValueError(
                 f"learner {self.id}: a ledger unit of {unit} rows "
                 f"(decoupled.lease_unit) cannot be split over its {data_size} data devices"
             )
-        batches = None  # static shards: this learner's iterator (checkpointed with it)
-        if not leased:
+        batches = None
+        if not data_leases(c):
             if self.id >= c.num_learners:  # its static shard would be another learner's
                 raise ValueError(
                     f"learner {self.id} cannot join a run of num_learners={c.num_learners} "
@@ -221,8 +236,12 @@ class Learner:
             batches = dataset.train_iterator(c.data.batch_size, self.id, c.num_learners, c.seed)
             if self.checkpoints is not None:
                 check_checkpointable(batches, c)
-        tokens_per_step = self.island.task.tokens_per_step(c.data.batch_size)
         self.startup["data_loaded"] = time.time()
+        return dataset, batches
+
+    def _start(self, batches: Any) -> Any:
+        """The island's state: restored (a restart) or fresh, then joined to the global values."""
+        c = self.config
         planning.check_island(self.island)  # the state's shards fit, before any is allocated
         if self.checkpoints is not None:  # a restart resumes its checkpoint and data position
             self._mark("restoring")
@@ -233,17 +252,21 @@ class Learner:
         self.startup["restored"] = time.time()
         # Start (or rejoin) from the syncer's global values, pulled by `connect`.
         params = self.sync.join(state.params, self.step, self.tokens)
-        state = state._replace(params=params)
         # Flushing since the last step trained: at the end, the final flush (a leased learner
         # that finds no lease left flushes before it asks again: at the end that was the
         # final flush's pushing).
         self.flush_since_step = 0.0
         self._pause_t0: float | None = None  # when the current wait for a lease began
-        if leased:
+        return state._replace(params=params)
+
+    def _source(self, dataset: Any, batches: Any) -> Any:
+        """(batch, its ledger ranges or None) per step: from leases, or the static shard."""
+        c = self.config
+        if data_leases(c):
             per_step = functools.cache(lambda live: units_per_step(c, live))  # (per live count)
-            source = leases.leased_batches(
+            return leases.leased_batches(
                 dataset,
-                unit,
+                lease_unit(c),
                 c.seed,
                 self._ask,
                 self._lease_started,
@@ -254,74 +277,74 @@ class Learner:
                 settle_s=self.settle_s,
                 units_per_step=lambda: per_step(self.sync.live or c.num_learners),
             )
-        else:
-            source = leases.static_batches(
-                dataset,
-                c.data.batch_size,
-                self.id,
-                c.num_learners,
-                c.seed,
-                c.train_steps - self.step,
-                self.leaving,
-                batches,
-            )
+        return leases.static_batches(
+            dataset,
+            c.data.batch_size,
+            self.id,
+            c.num_learners,
+            c.seed,
+            c.train_steps - self.step,
+            self.leaving,
+            batches,
+        )
+
+    def _train_step(self, state: Any, step: int, batch: Any, where: Any, batches: Any) -> Any:
+        """One inner step: arrivals merged in, the step, its count to the link, a checkpoint."""
+        c, leased = self.config, data_leases(self.config)
         last_step = -1 if leased else c.train_steps  # with leases: when the budget is covered
-        t_start = time.perf_counter()
-        for step, (batch, where) in enumerate(source, start=self.step + 1):
-            for lease, _, _ in where or []:
-                if lease not in self.leases_trained[-1:]:
-                    self.leases_trained.append(lease)
-            state = state._replace(params=self.sync.apply_arrivals(state.params))
-            first = not self._compiled  # this process's first step compiles
-            # So does each new batch shape (a constant global batch's, `leases`): not slowed.
-            shape = tuple(np.shape(x) for x in jax.tree.leaves(batch))
-            compiling = shape not in self._compiled
-            self._mark("compiling" if compiling else "stepping", step)
-            t_step = time.perf_counter()
-            if compiling:  # refused here, with what would fit, rather than out of memory
-                planning.check_island(self.island, self._batch(batch))
-            self.data_position += 1
-            if self.checkpoints is not None and not leased:
-                self.checkpoints.drew(self.data_position)  # before the step: see the data rule
-            state, loss = self.island.step(state, self._batch(batch))
-            slowdown = max(self.slowdown, self.chaos.slowdown() if self.chaos else 1.0)
-            if slowdown > 1 or compiling:
-                loss.block_until_ready()
-                if not compiling:  # compiling is not slowed: only the steps of slower hardware
-                    time.sleep((slowdown - 1) * (time.perf_counter() - t_step))
-            if first:
-                self.startup["first_step"] = time.time()
-                print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
-            self._compiled.add(shape)
-            tokens = (
-                tokens_per_step
-                if where is None
-                else self.island.task.tokens_per_step(
-                    sum(end - begin for _, begin, end in where) * unit
-                )
+        for lease, _, _ in where or []:
+            if lease not in self.leases_trained[-1:]:
+                self.leases_trained.append(lease)
+        state = state._replace(params=self.sync.apply_arrivals(state.params))
+        first = not self._compiled  # this process's first step compiles
+        # So does each new batch shape (a constant global batch's, `leases`): not slowed.
+        shape = tuple(np.shape(x) for x in jax.tree.leaves(batch))
+        compiling = shape not in self._compiled
+        self._mark("compiling" if compiling else "stepping", step)
+        t_step = time.perf_counter()
+        if compiling:  # refused here, with what would fit, rather than out of memory
+            planning.check_island(self.island, self._batch(batch))
+        self.data_position += 1
+        if self.checkpoints is not None and not leased:
+            self.checkpoints.drew(self.data_position)  # before the step: see the data rule
+        state, loss = self.island.step(state, self._batch(batch))
+        slowdown = max(self.slowdown, self.chaos.slowdown() if self.chaos else 1.0)
+        if slowdown > 1 or compiling:
+            loss.block_until_ready()
+            if not compiling:  # compiling is not slowed: only the steps of slower hardware
+                time.sleep((slowdown - 1) * (time.perf_counter() - t_step))
+        if first:
+            self.startup["first_step"] = time.time()
+            print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
+        self._compiled.add(shape)
+        rows = (
+            c.data.batch_size if where is None else lease_unit(c) * sum(e - b for _, b, e in where)
+        )
+        self.sync.step_done(state.params, self.island.task.tokens_per_step(rows), loss, data=where)
+        self.flush_since_step, self._pause_t0 = 0.0, None
+        if self.checkpoints is not None and self.checkpoints.due(step, last_step):
+            # Dispatched steps finish first: their compute is stepping time, not saving.
+            loss.block_until_ready()
+            self._mark("checkpointing", step)
+            self.checkpoints.save(self, state, batches)
+        if step % c.log_every == 0 or step == last_step:
+            print(
+                f"[learner {self.id}] step {step}"
+                f"{'' if leased else f'/{c.train_steps}'} loss {float(loss):.3f} "
+                f"versions {self.sync.versions} "
+                f"{self.sync.schedule.step_time_s * 1e3:.0f} ms/step",
+                flush=True,
             )
-            self.sync.step_done(state.params, tokens, loss, data=where)
-            self.flush_since_step, self._pause_t0 = 0.0, None
-            if self.checkpoints is not None and self.checkpoints.due(step, last_step):
-                # Dispatched steps finish first: their compute is stepping time, not saving.
-                loss.block_until_ready()
-                self._mark("checkpointing", step)
-                self.checkpoints.save(self, state, batches)
-            if step % c.log_every == 0 or step == last_step:
-                print(
-                    f"[learner {self.id}] step {step}"
-                    f"{'' if leased else f'/{c.train_steps}'} loss {float(loss):.3f} "
-                    f"versions {self.sync.versions} "
-                    f"{self.sync.schedule.step_time_s * 1e3:.0f} ms/step",
-                    flush=True,
-                )
-        train_wall = time.perf_counter() - t_start
+        return state
+
+    def _finish(self, state: Any) -> float:
+        """The last checkpoint, then the final flush and close; the seconds the flush took."""
         jax.block_until_ready(state)  # (the last steps' compute is stepping time)
         if self.checkpoints is not None:
             # The last step's checkpoint is on disk before the flush, which may wait long on a
             # stopped or distant syncer: a learner killed then restarts after its last step.
             self._mark("checkpointing", self.step)
-            if leased and self.step and not self.checkpoints.due(self.step, -1):
+            if data_leases(self.config) and self.step and not self.checkpoints.due(self.step, -1):
                 self.checkpoints.save(self, state, None)  # (its last step is known only now)
             self.checkpoints.wait()
         if self._pause_t0 is not None:  # the budget was covered while a pause was settling
@@ -332,6 +355,10 @@ class Learner:
         self._mark("done")
         if self.checkpoints is not None:
             self.checkpoints.close()
+        return flush_s
+
+    def _summary(self, train_wall: float, flush_s: float) -> dict[str, Any]:
+        """This learner's summary (`learner_I.json`)."""
         s = self.sync
         return {
             "learner_id": self.id,
@@ -353,7 +380,7 @@ class Learner:
             "data_position": self.data_position,
             "skipped_batches": self.skipped_batches,
             "lost_steps": self.lost_steps,
-            "data": "leases" if leased else "static shard",
+            "data": "leases" if data_leases(self.config) else "static shard",
             "leases_trained": self.leases_trained,
             "left": self.leaving.is_set(),
             "checkpoint_save_s": self.checkpoints.save_s if self.checkpoints else 0.0,
