@@ -1,5 +1,5 @@
-"""Calibration of the goodput simulator against a chaos run (tools/calibrate_sim.py), on a
-hand-made run directory in the real on-disk format (timelines, metrics.jsonl, summary.json)."""
+"""Calibration of the goodput simulator against a chaos run (`decoupled_diloco.sim calibrate`),
+on a hand-made run directory in the real on-disk format (timelines, metrics.jsonl, summary.json)."""
 
 import json
 import os

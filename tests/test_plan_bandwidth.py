@@ -10,8 +10,8 @@ import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.sim import bandwidth as pb
+from decoupled_diloco.sim import bandwidth_cli as cli
 from decoupled_diloco.sim.bandwidth import LinkPlan, utilisation
-from tools import plan_bandwidth as cli
 
 # Streaming DiLoCo, Table 4 (reference/literature.md), copied here so the model is checked
 # against the paper, not against its own table: (params, step s, fragments — ours, 3 layers per

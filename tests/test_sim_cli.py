@@ -6,7 +6,7 @@ import json
 import pytest
 
 from decoupled_diloco.sim import SimConfig, simulate
-from tools import simulate_goodput
+from decoupled_diloco.sim import goodput_cli as simulate_goodput
 
 
 def test_json_echoes_inputs_and_reports_every_system(capsys):
@@ -55,3 +55,23 @@ def test_hopeless_dp_raises_instead_of_growing_forever():
     cfg = SimConfig(num_chips=2_400_000, checkpoint_s=600.0, total_tokens=1e9)
     with pytest.raises(ValueError, match="goodput below"):
         simulate(cfg, ("dp",))
+
+
+def test_the_simulator_and_planner_are_one_command_of_the_package():
+    import json
+    import subprocess
+    import sys
+
+    def run(*argv):
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120)
+
+    plan = run(
+        "-m", "decoupled_diloco.sim", "bandwidth", "--params=1B", "--step_time_s=0.1", "--json"
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)
+    old = run("-m", "tools.plan_bandwidth", "--params=1B", "--step_time_s=0.1", "--json")
+    assert old.returncode == 0 and json.loads(old.stdout) == json.loads(plan.stdout)
+    wrong = run("-m", "decoupled_diloco.sim", "planner")
+    assert wrong.returncode == 2 and "unknown command 'planner'" in wrong.stdout
+    assert "goodput" in wrong.stdout and "calibrate" in wrong.stdout

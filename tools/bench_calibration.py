@@ -3,8 +3,8 @@
 Run alone with `python -m tools.bench_calibration --out=benchmarks/results/calibration.md`, or
 through `make bench` (after `bench_chaos`, which produces the runs). It reads finished chaos runs
 (default: every known run of `tools/bench_chaos.py` under `runs/bench_chaos_exact` and
-`runs/bench_chaos`), and writes the table of `tools/calibrate_sim.py` plus the gaps that explain
-the differences. Issue 6's target: predicted within ±5 points of measured.
+`runs/bench_chaos`), and writes the table of `python -m decoupled_diloco.sim calibrate` plus
+the gaps that explain the differences. Issue 6's target: predicted within ±5 points of measured.
 """
 
 import argparse
@@ -158,9 +158,10 @@ def main(argv: list[str] | None = None) -> None:
         "## Calibration: the goodput simulator vs measured local chaos runs (issue 6)\n",
         f"Run {datetime.date.today().isoformat()} on {machine_description()}: "
         f"`python -m tools.bench_calibration --out={args.out}`, which is "
-        f"`python -m tools.calibrate_sim {rel}` (and `--pooled` for the second table). "
+        f"`python -m decoupled_diloco.sim calibrate {rel}` (and `--pooled` for the second table). "
         "Inputs are measured from each run's timelines and fault events "
-        "(method: `tools/calibrate_sim.py` docstring, docs/simulator.md 'Calibration'). "
+        "(method: `decoupled_diloco.sim.calibration`'s docstring, docs/simulator.md "
+        "'Calibration'). "
         "'whole run' compares the whole run (a capped run: its window up to the cap); "
         "'until first learner done' compares the window in which every learner still has work. "
         "Restart/rejoin columns give the mean and, in brackets, how many events it averages. "

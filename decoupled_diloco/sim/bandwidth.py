@@ -1,9 +1,10 @@
 """Planning numbers: compute utilisation a learner can expect on a link, and the bandwidth it needs.
 
 Examples:
-    python -m tools.plan_bandwidth --params=1B --step_time_s=0.1   # H=100, P=8, tau=1, 4 bit
-    python -m tools.plan_bandwidth --params=12B --step_time_s=1 --bandwidth_gbps=2.5 --json
-    python -m tools.plan_bandwidth --paper_table   # side by side with Streaming DiLoCo, Table 4
+    python -m decoupled_diloco.sim bandwidth --params=1B --step_time_s=0.1  # H=100, P=8, 4 bit
+    python -m decoupled_diloco.sim bandwidth --params=12B --step_time_s=1 \
+        --bandwidth_gbps=2.5 --json
+    python -m decoupled_diloco.sim bandwidth --paper_table  # beside Streaming DiLoCo, Table 4
 
 The model (a closed form, not a simulation) and every assumption it makes:
 
@@ -15,7 +16,7 @@ The model (a closed form, not a simulation) and every assumption it makes:
   `syncer` topology (this framework: learner <-> syncer star): up `n * b`, down `n * down_bits`,
   full duplex, so the slower direction counts. With M = 2 both topologies move the same bits.
   A transfer takes `latency_s + bits / bandwidth`. Nothing else (no protocol overhead, no
-  congestion, no stragglers, no failures: see tools/simulate_goodput.py for those), except in
+  congestion, no stragglers, no failures: the goodput simulator models those), except in
   a decoupled run's end, below, where transfers crossing each other lose a measured share.
 * `dp`: every step all-reduces the full gradient at `dp_bits` (bf16 = 16); the step waits for the
   part of the transfer that the backward pass does not hide:
@@ -92,7 +93,7 @@ PAPER_DILOCO_1B_95 = 23.3  # Gbit/s, vanilla DiLoCo, 1B model, 95% (same source)
 
 @dataclasses.dataclass(frozen=True)
 class LinkPlan:
-    """The inputs of the model (module doc); `tools.plan_bandwidth`'s flags, same names.
+    """The inputs of the model (module doc): the flags of `sim bandwidth`, same names.
 
     Attributes:
       params: model size in parameters.

@@ -1,6 +1,6 @@
 """Calibrates the goodput simulator against a finished local chaos run (issue 6).
 
-`python -m tools.calibrate_sim RUN_DIR [RUN_DIR ...]` reads each run (`sim.run_facts`:
+`python -m decoupled_diloco.sim calibrate RUN_DIR [RUN_DIR ...]` reads each run (`sim.run_facts`:
 the kill schedule, step, restart, rejoin and start-up times, checkpoint cadence, cost and commit
 latency, all measured), feeds them to the simulator and prints predicted vs measured goodput.
 
