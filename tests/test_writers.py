@@ -184,3 +184,13 @@ def test_bad_writer_settings_are_refused_by_name(overrides, message):
 def test_writers_without_a_workdir_are_refused(corpus):
     with pytest.raises(config_lib.ConfigError, match="writers: metric writers need a workdir"):
         train_and_evaluate(tiny_config(mode="dp"), None, corpus=corpus, writers=[ListWriter()])
+
+
+def test_the_closing_lines_point_to_the_writers_the_run_used(tmp_path):
+    from decoupled_diloco.obs.report import next_steps
+
+    offline = tiny_config(**ALL)
+    lines = next_steps(offline, tmp_path / "report.md")
+    assert "tensorboard --logdir" in lines and f"wandb sync {tmp_path / 'wandb'}" in lines
+    plain = next_steps(tiny_config(**{"metrics.writers": "jsonl"}), tmp_path / "report.md")
+    assert "tensorboard" not in plain.lower() and "wandb" not in plain

@@ -320,10 +320,14 @@ def next_steps(config: Any, report: pathlib.Path, config_file: str = "") -> str:
             "  watch the next decoupled run live, from another terminal while it trains:",
             f"    {py} -m decoupled_diloco.status --workdir={workdir} --watch",
         ]
-    lines += [
-        f"  TensorBoard: pip install tensorboard && tensorboard --logdir {workdir / 'tb'}",
-        "  every option: docs/config_reference.md; the ideas: docs/concepts.md",
-    ]
+    writers = getattr(getattr(config, "metrics", None), "writers", "tensorboard")
+    if "tensorboard" in writers:
+        lines.append(
+            f"  TensorBoard: pip install tensorboard && tensorboard --logdir {workdir / 'tb'}"
+        )
+    if "wandb" in writers and config.metrics.wandb_mode == "offline":
+        lines.append(f"  W&B (offline): wandb sync {workdir / 'wandb'}/offline-run-*")
+    lines.append("  every option: docs/config_reference.md; the ideas: docs/concepts.md")
     return "\n".join(lines)
 
 
