@@ -77,6 +77,8 @@ class Learner:
     ):
         t_construct = time.time()  # restart timing: imports are done by now
         self.config, self.id, self.slowdown = config, learner_id, slowdown
+        # Data leases (`syncer.ledger`) or a static shard, and the rows of one ledger unit.
+        self.leased, self.unit = data_leases(config), lease_unit(config)
         self.timeline, self.chaos = timeline, controls
         shape = mesh_shape or mesh_shape_for(config, learner_id, "")
         devices = devices or jax.devices()[: shape[0] * shape[1]]
@@ -219,15 +221,14 @@ class Learner:
         """
         c = self.config
         dataset = load_dataset(c, task=self.island.task)  # the task's, or the config's data
-        unit = lease_unit(c)  # rows per ledger unit (a batch unless the global batch is constant)
         data_size = dict(self.island.mesh.shape).get("data", 1)
-        if data_leases(c) and unit % data_size:
+        if self.leased and self.unit % data_size:
             raise ValueError(
-                f"learner {self.id}: a ledger unit of {unit} rows "
+                f"learner {self.id}: a ledger unit of {self.unit} rows "
                 f"(decoupled.lease_unit) cannot be split over its {data_size} data devices"
             )
         batches = None
-        if not data_leases(c):
+        if not self.leased:
             if self.id >= c.num_learners:  # its static shard would be another learner's
                 raise ValueError(
                     f"learner {self.id} cannot join a run of num_learners={c.num_learners} "
@@ -262,11 +263,11 @@ class Learner:
     def _source(self, dataset: Any, batches: Any) -> Any:
         """(batch, its ledger ranges or None) per step: from leases, or the static shard."""
         c = self.config
-        if data_leases(c):
+        if self.leased:
             per_step = functools.cache(lambda live: units_per_step(c, live))  # (per live count)
             return leases.leased_batches(
                 dataset,
-                lease_unit(c),
+                self.unit,
                 c.seed,
                 self._ask,
                 self._lease_started,
@@ -290,7 +291,7 @@ class Learner:
 
     def _train_step(self, state: Any, step: int, batch: Any, where: Any, batches: Any) -> Any:
         """One inner step: arrivals merged in, the step, its count to the link, a checkpoint."""
-        c, leased = self.config, data_leases(self.config)
+        c, leased = self.config, self.leased
         last_step = -1 if leased else c.train_steps  # with leases: when the budget is covered
         for lease, _, _ in where or []:
             if lease not in self.leases_trained[-1:]:
@@ -317,9 +318,7 @@ class Learner:
             self.startup["first_step"] = time.time()
             print(f"[learner {self.id}] {recovery.startup_line(self.startup)}", flush=True)
         self._compiled.add(shape)
-        rows = (
-            c.data.batch_size if where is None else lease_unit(c) * sum(e - b for _, b, e in where)
-        )
+        rows = c.data.batch_size if where is None else self.unit * sum(e - b for _, b, e in where)
         self.sync.step_done(state.params, self.island.task.tokens_per_step(rows), loss, data=where)
         self.flush_since_step, self._pause_t0 = 0.0, None
         if self.checkpoints is not None and self.checkpoints.due(step, last_step):
@@ -344,7 +343,7 @@ class Learner:
             # The last step's checkpoint is on disk before the flush, which may wait long on a
             # stopped or distant syncer: a learner killed then restarts after its last step.
             self._mark("checkpointing", self.step)
-            if data_leases(self.config) and self.step and not self.checkpoints.due(self.step, -1):
+            if self.leased and self.step and not self.checkpoints.due(self.step, -1):
                 self.checkpoints.save(self, state, None)  # (its last step is known only now)
             self.checkpoints.wait()
         if self._pause_t0 is not None:  # the budget was covered while a pause was settling
@@ -380,7 +379,7 @@ class Learner:
             "data_position": self.data_position,
             "skipped_batches": self.skipped_batches,
             "lost_steps": self.lost_steps,
-            "data": "leases" if data_leases(self.config) else "static shard",
+            "data": "leases" if self.leased else "static shard",
             "leases_trained": self.leases_trained,
             "left": self.leaving.is_set(),
             "checkpoint_save_s": self.checkpoints.save_s if self.checkpoints else 0.0,

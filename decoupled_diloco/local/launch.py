@@ -45,6 +45,7 @@ from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.obs import monitor as monitor_lib
 from decoupled_diloco.obs.metrics import make_writers, write_summary
 from decoupled_diloco.obs.summary import RunSummary
+from decoupled_diloco.obs.writers import close_all
 
 
 def _start_syncers(
@@ -168,7 +169,6 @@ def run_decoupled(
         dataset_lib.check_workdir_data(config, workdir)
     # The data is read (and so checked) here, before any process starts; the evaluator uses it.
     data = dataset_lib.load_dataset(config, corpus, task)
-    writers = make_writers(config, workdir) + list(writers)  # W&B starts here too
     procs = Processes(
         workdir / "logs",
         {**child_env(token), **chaos_env, "PYTHONPATH": tasks.python_path(config)},
@@ -176,11 +176,13 @@ def run_decoupled(
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
     injector = monitor = None
-    failed = False
+    failed = handed = False
     # Ctrl+C and SIGTERM run the `finally` below (children, namespaces), within a bound.
     restore_signals = runtime.exit_on_signals()
     shaping = wan.Shaping()
     try:
+        # The metric writers (a W&B run starts here), before any process is started.
+        writers = make_writers(config, workdir) + list(writers)
         shaping = _shaping(config, workdir, schedule)
         ports, metrics_urls = _start_syncers(
             config, config_file, workdir, port_file, supervisor, procs, shaping
@@ -225,6 +227,7 @@ def run_decoupled(
         if schedule is not None:
             injector = chaos_run.start_injector(schedule, supervisor, workdir, client)
         evaluator = GlobalEvaluator(config, client, data, task)
+        handed = True  # the watch closes the writers, whatever happens there
         status = poll.watch(
             config, supervisor, client, evaluator, workdir, t_start, progress_s, writers
         )
@@ -239,6 +242,8 @@ def run_decoupled(
         client.close()
     except BaseException:
         failed = True
+        if not handed:  # (a W&B run started above is finished, not left open)
+            close_all(writers)
         raise
     finally:
         if injector is not None:
@@ -255,9 +260,18 @@ def run_decoupled(
         if failed and monitor is not None:  # (after the children are gone: never delays them)
             monitor.stop()
     summary = _summary(
-        config, task, learners, status, evaluator, eval_loss, params, workdir, events, links
+        config,
+        task,
+        learners,
+        status,
+        evaluator,
+        eval_loss,
+        params,
+        workdir,
+        events,
+        links,
+        t_start,
     )
-    summary["wall_s"] = time.perf_counter() - t_start  # (the whole job, summary included)
     if (ledger := summary["data_ledger"]) is not None:  # the invariant, checked every run
         _print_ledger(ledger)
     try:
@@ -353,6 +367,7 @@ def _summary(
     workdir: pathlib.Path,
     events: supervisor_lib.EventLog,
     links: dict[str, Any],
+    t_start: float,
 ) -> dict[str, Any]:
     """The job's summary: the learners' summaries, the syncer's last status, the evaluation."""
     num_params = int(sum(x.size for x in jax.tree.leaves(params)))
@@ -360,7 +375,7 @@ def _summary(
         config=config,
         steps_done=_steps_done(config, learners, status.get("data_ledger")),
         tokens=sum(x["tokens"] for x in learners),
-        wall_s=0.0,  # the caller's: it started the job
+        wall_s=time.perf_counter() - t_start,
         train_wall_s=max(x["train_wall_s"] for x in learners),
         eval_metrics={"loss": eval_loss, **evaluator.metrics},
         task=task.identity(),

@@ -39,20 +39,8 @@ class MetricsWriter:
     ):
         self.writers = list(writers)
         self.path = pathlib.Path(workdir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", 0) <= resume_step:
-                        kept.append(line + "\n")
-                except json.JSONDecodeError:  # A line cut short by a crash.
-                    continue
-        with self.path.open("w") as rewrite:
-            rewrite.writelines(kept)
-        # Append mode from here: other writers (the chaos supervisor's fault and recovery events)
-        # may append to the same file, and no line may overwrite another.
-        self._file = self.path.open("a")
+        # Append mode: the chaos supervisor's fault and recovery events go to the same file.
+        self._file = writers_lib.open_resumed(self.path, resume_step)
 
     def write(self, **event: Any) -> None:
         """Writes one event; non-finite floats become null so every line stays valid JSON."""

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import pathlib
 import struct
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from decoupled_diloco.obs.writers import LEARNER_SERIES
+from decoupled_diloco.obs.writers import LEARNER_SERIES, close_within
 
 TB_DIR = "tb"
 
@@ -83,11 +82,7 @@ class TensorBoardWriter:
         there); the file then misses at most its last values, and the run still ends.
         """
         for run, writer in self._writers.items():
-            closer = threading.Thread(target=writer.close, name=f"tb-close-{run}", daemon=True)
-            closer.start()
-            closer.join(timeout_s)
-            if closer.is_alive():
-                print(f"[tb] {run}: event file not closed within {timeout_s:g} s", flush=True)
+            close_within(writer.close, timeout_s, f"the TensorBoard events of {run}")
         self._writers.clear()
 
 

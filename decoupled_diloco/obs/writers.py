@@ -80,6 +80,39 @@ def event_scalars(event: Mapping[str, Any]) -> list[tuple[int, dict[str, float]]
     return writes
 
 
+def open_resumed(path: pathlib.Path, resume_step: int) -> Any:
+    """`path` (JSON lines with a "step") opened for appending, lines after `resume_step` dropped.
+
+    A resumed run logs those steps again; a fresh one (0) keeps only what is before its first
+    step. Lines that do not parse (cut short by a crash) are dropped too. Append mode: other
+    writers (the chaos supervisor's events in `metrics.jsonl`) may add lines to the same file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= resume_step:
+                    kept.append(line + "\n")
+            except (json.JSONDecodeError, AttributeError):
+                continue
+    path.write_text("".join(kept))
+    return path.open("a")
+
+
+def close_within(close: Any, timeout_s: float, what: str) -> None:
+    """Calls `close()` on a thread, waiting at most `timeout_s`; says so if it is not done.
+
+    A writer's close can hang on its own background thread (tensorboardX after a Ctrl+C, a W&B
+    upload behind a dead link): the run still ends, missing at most the last values.
+    """
+    closer = threading.Thread(target=close, name=f"close-{what}", daemon=True)
+    closer.start()
+    closer.join(timeout_s)
+    if closer.is_alive():
+        print(f"[metrics] {what} not closed within {timeout_s:g} s", flush=True)
+
+
 class JsonlWriter:
     """One JSON line per write, `{"step": S, NAME: VALUE, ...}`, flushed at once.
 
@@ -90,17 +123,7 @@ class JsonlWriter:
 
     def __init__(self, path: str | pathlib.Path, resume_step: int = 0):
         self.path = pathlib.Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resume_step:
-                        kept.append(line + "\n")
-                except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a crash
-                    continue
-        self.path.write_text("".join(kept))
-        self._file = self.path.open("a")
+        self._file = open_resumed(self.path, resume_step)
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """Appends one line."""
@@ -131,13 +154,8 @@ class WandbWriter:
     """
 
     def __init__(self, config: Any, workdir: pathlib.Path, resume_step: int = 0):
-        try:
-            import wandb
-        except ImportError as error:
-            raise ConfigError(
-                "config.metrics.writers names wandb, which is not installed: "
-                "pip install 'decoupled_diloco[wandb]'"
-            ) from error
+        import wandb  # (`config.validate` says how to install it when it is missing)
+
         m = config.metrics
         id_file = workdir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume_step and id_file.exists() else None
@@ -180,11 +198,7 @@ class WandbWriter:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finishes the run, waiting at most `timeout_s` (a stuck upload does not hold the run)."""
-        closer = threading.Thread(target=self.run.finish, name="wandb-finish", daemon=True)
-        closer.start()
-        closer.join(timeout_s)
-        if closer.is_alive():
-            print(f"[wandb] run not finished within {timeout_s:g} s", flush=True)
+        close_within(self.run.finish, timeout_s, "the W&B run")
 
 
 def close_all(writers: Sequence[MetricWriter]) -> None:
