@@ -321,7 +321,8 @@ def test_learner_restored_from_its_checkpoint_continues_with_the_same_residual(t
         made = Learner(config, 0, "127.0.0.1:1", token=TOKEN)  # never connects
         state = made.island.init(0)
         host = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state.params))]
-        made.sync.anchor = [F.gather(host, frag) for frag in made.sync.cut]
+        for fragment, frag in zip(made.sync.states, made.sync.partition, strict=True):
+            fragment.anchor = F.gather(host, frag)
         return made, state
 
     def params(seed, state, made):
@@ -329,11 +330,11 @@ def test_learner_restored_from_its_checkpoint_continues_with_the_same_residual(t
             x + 0.01 * jax.random.normal(jax.random.key(seed + i), x.shape)
             for i, x in enumerate(jax.tree.leaves(state.params))
         ]
-        return F.gather(leaves, made.sync.cut[0])
+        return F.gather(leaves, made.sync.partition[0])
 
     first, state = learner()
     for seed in (1, 2):  # two rounds: the residual holds what topk left out
-        first.sync.encoder.encode(0, first.sync.anchor[0], params(seed, state, first))
+        first.sync.encoder.encode(0, first.sync.states[0].anchor, params(seed, state, first))
     saved = [np.asarray(x) for x in jax.tree.leaves(first.sync.encoder.residual)]
     assert any(np.abs(x).max() > 0 for x in saved)
     checkpoints = LearnerCheckpoints(tmp_path / "learner_0", every=1)
@@ -350,8 +351,8 @@ def test_learner_restored_from_its_checkpoint_continues_with_the_same_residual(t
     for a, b in zip(saved, jax.tree.leaves(second.sync.encoder.residual), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     # The next round encodes the same bytes and leaves the same residual in both.
-    one = first.sync.encoder.encode(0, first.sync.anchor[0], params(3, state, first))
-    two = second.sync.encoder.encode(0, second.sync.anchor[0], params(3, state, second))
+    one = first.sync.encoder.encode(0, first.sync.states[0].anchor, params(3, state, first))
+    two = second.sync.encoder.encode(0, second.sync.states[0].anchor, params(3, state, second))
     for a, b in zip(one.arrays, two.arrays, strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(

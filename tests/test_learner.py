@@ -71,7 +71,7 @@ def _ended(sync):
     arrays and trims the heap): until then its fragment is under way (held at its next due
     step, crossing at a pause). Tests that go on from a trip's outcome wait for its end too.
     """
-    return all(trip.done() for trip in sync.trips.values())
+    return all(trip.done() for trip in sync.pusher.trips.values())
 
 
 def _back(sync):
@@ -169,9 +169,9 @@ def test_alpha_mixes_local_and_global_values(alpha):
         local_values = [np.array(x) for x in _leaves(sync, local)]  # (apply_arrivals donates)
         mixed = _leaves(sync, sync.apply_arrivals(local))
         merged = cluster.fragment(0).values
-        first = sync.cut[0][0].index
+        first = sync.partition[0][0].index
         assert not np.allclose(merged[0], _leaves(sync, params)[first])  # the merge moved it
-        for spec, value in zip(sync.cut[0], merged, strict=True):
+        for spec, value in zip(sync.partition[0], merged, strict=True):
             want = alpha * local_values[spec.index] + (1 - alpha) * value
             np.testing.assert_allclose(mixed[spec.index], want, rtol=1e-6, atol=1e-7)
         assert sync.versions == [1]
@@ -209,7 +209,7 @@ def test_a_push_waits_for_the_merge_that_holds_it_not_for_an_older_one():
         assert cluster.server.state.merge_log[-1]["learners"] == [0]
         _steps(zero.sync, params0, 2)  # τ = 2 steps after the push
         got = _leaves(zero.sync, zero.sync.apply_arrivals(params0))
-        for spec, want in zip(zero.sync.cut[0], cluster.fragment(0).values, strict=True):
+        for spec, want in zip(zero.sync.partition[0], cluster.fragment(0).values, strict=True):
             np.testing.assert_array_equal(got[spec.index], want)
     finally:
         cluster.close()
@@ -236,14 +236,14 @@ def test_a_fragment_due_while_its_round_trip_is_under_way_is_held_then_pushed_wh
         _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
         _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's push")
         _steps(zero.sync, _shift(params0, -0.5), 4)  # step 8: due, its round trip under way
-        assert zero.sync.held == {0} and zero.sync.deferred == 1
-        assert zero.sync.rounds[0] == 1 and zero.sync.steps_since[0] == 4
+        assert zero.sync.pusher.held == {0} and zero.sync.counters.deferred == 1
+        assert zero.sync.states[0].round == 1 and zero.sync.states[0].steps_since == 4
         _steps(one.sync, _shift(params1, -0.25), 4)  # the round closes (version 1)
         _wait(lambda: _back(zero.sync) == {0: 1}, "learner 0's merge")
         merged = zero.sync.apply_arrivals(_shift(params0, -0.5))
         assert zero.sync.versions[0] == 1
         zero.sync.step_done(_shift(merged, -0.125), 64)  # step 9: pushed now, 5 steps
-        assert zero.sync.held == set() and zero.sync.rounds[0] == 2
+        assert zero.sync.pusher.held == set() and zero.sync.states[0].round == 2
         _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's held push")
         pending = cluster.fragment(0).pending[0]
         assert (pending.steps, pending.base_version) == (5, 1)
@@ -265,17 +265,22 @@ def test_a_pause_between_leases_pushes_ordinary_pushes_whose_merges_become_ancho
         zero, params = cluster.join(0)
         _steps(zero.sync, _shift(params, -0.25), 2)  # neither fragment due yet
         assert not zero.sync.pause()  # pushed, not settled
-        assert zero.sync.steps_since == [0, 0] and zero.sync.rounds == [1, 1]
+        assert [f.steps_since for f in zero.sync.states] == [0, 0] and [
+            f.round for f in zero.sync.states
+        ] == [1, 1]
         _wait(zero.sync.pause, "the pause settled: both pushes answered")
-        assert zero.sync.pushes["late"] == 0 and zero.sync.rounds == [1, 1]
+        assert zero.sync.counters.pushes["late"] == 0 and [f.round for f in zero.sync.states] == [
+            1,
+            1,
+        ]
         # Their merges come back as anchors (a poll of the pause, or the next step, applies).
         _wait(lambda: zero.sync.pause() and zero.sync.versions == [1, 1], "both merges")
         for p in (0, 1):  # the anchors are the merged values, so are the parameters
-            for x, want in zip(zero.sync.anchor[p], cluster.fragment(p).values, strict=True):
+            for x, want in zip(zero.sync.states[p].anchor, cluster.fragment(p).values, strict=True):
                 np.testing.assert_array_equal(x, want)
         got = _leaves(zero.sync, zero.sync.apply_arrivals(params))
         for p in (0, 1):
-            for spec, want in zip(zero.sync.cut[p], cluster.fragment(p).values, strict=True):
+            for spec, want in zip(zero.sync.partition[p], cluster.fragment(p).values, strict=True):
                 np.testing.assert_array_equal(got[spec.index], want)
     finally:
         cluster.close()
@@ -301,21 +306,21 @@ def test_a_pause_waits_for_a_round_trip_under_way_then_pushes_from_its_merge():
         (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
         _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
         _wait(lambda: 0 in cluster.fragment(0).pending, "learner 0's push")
-        _wait(lambda: zero.sync.jobs[0].answered_late is False, "its answer: accepted")
+        _wait(lambda: zero.sync.pusher.jobs[0].answered_late is False, "its answer: accepted")
         _steps(zero.sync, _shift(params0, -0.5), 2)  # steps 5-6, then the pause
         assert not zero.sync.pause()
-        assert zero.sync.rounds[0] == 1 and zero.sync.steps_since[0] == 2
+        assert zero.sync.states[0].round == 1 and zero.sync.states[0].steps_since == 2
         _steps(one.sync, _shift(params1, -0.25), 4)  # the round closes (version 1)
         _wait(lambda: _ended(zero.sync), "learner 0's round trip")
         assert not zero.sync.pause()  # the merge applied, then steps 5-6 pushed from it
-        assert zero.sync.versions[0] == 1 and zero.sync.rounds[0] == 2
+        assert zero.sync.versions[0] == 1 and zero.sync.states[0].round == 2
         _wait(lambda: 0 in cluster.fragment(0).pending, "the pause's push")
         pending = cluster.fragment(0).pending[0]
         assert (pending.steps, pending.base_version) == (2, 1)
         for delta in cluster.server.state.pending_gradient(0, 0):
             np.testing.assert_allclose(delta, 0.25, rtol=1e-5)
         _wait(zero.sync.pause, "the pause settled: its push answered")
-        assert zero.sync.pushes["late"] == 0
+        assert zero.sync.counters.pushes["late"] == 0
     finally:
         cluster.close()
 
@@ -333,11 +338,11 @@ def test_a_pause_pushes_a_fragment_whose_round_trip_is_still_under_way_after_rpc
     try:
         (zero, params0), _ = cluster.join(0), cluster.join(1)
         _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
-        _wait(lambda: zero.sync.jobs[0].answered_late is False, "its answer: accepted")
+        _wait(lambda: zero.sync.pusher.jobs[0].answered_late is False, "its answer: accepted")
         _steps(zero.sync, _shift(params0, -0.5), 2)
-        assert not zero.sync.pause() and zero.sync.rounds[0] == 1  # waits for the trip
-        zero.sync.paused_at -= config.decoupled.syncer.rpc_timeout_s  # (its time is up)
-        assert not zero.sync.pause() and zero.sync.rounds[0] == 2  # pushed as it is
+        assert not zero.sync.pause() and zero.sync.states[0].round == 1  # waits for the trip
+        zero.sync.pusher.paused_at -= config.decoupled.syncer.rpc_timeout_s  # (its time is up)
+        assert not zero.sync.pause() and zero.sync.states[0].round == 2  # pushed as it is
         _wait(lambda: cluster.fragment(0).pending[0].steps == 6, "the push in its place")
         assert cluster.fragment(0).pending[0].base_version == 0
     finally:
@@ -356,11 +361,11 @@ def test_the_final_flush_lets_a_round_trip_under_way_end_and_pushes_from_its_mer
     try:
         (zero, params0), (one, params1) = cluster.join(0), cluster.join(1)
         _steps(zero.sync, _shift(params0, -0.25), 4)  # step 4: the push
-        _wait(lambda: zero.sync.jobs[0].answered_late is False, "its answer: accepted")
+        _wait(lambda: zero.sync.pusher.jobs[0].answered_late is False, "its answer: accepted")
         _steps(zero.sync, _shift(params0, -0.5), 2)  # steps 5-6, then the run's end
         flushing = threading.Thread(target=zero.sync.flush)
         flushing.start()
-        _wait(lambda: zero.sync.rounds[0] == 1 and flushing.is_alive(), "the flush waiting")
+        _wait(lambda: zero.sync.states[0].round == 1 and flushing.is_alive(), "the flush waiting")
         _steps(one.sync, _shift(params1, -0.25), 4)  # the round closes (version 1)
         flushing.join(60)
         assert not flushing.is_alive() and zero.sync.versions[0] == 1
@@ -408,7 +413,7 @@ def _refused_as_late(cluster):
     for i in range(4):
         zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
     _wait(lambda: _back(zero.sync) == {0: 1}, "the current values after the refusal")
-    assert zero.sync.pushes["late"] == 1
+    assert zero.sync.counters.pushes["late"] == 1
     return zero, params0, theta1
 
 
@@ -425,10 +430,12 @@ def test_the_work_of_a_push_refused_as_late_goes_with_the_next_push():
         zero, params0, theta1 = _refused_as_late(cluster)
         zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, 4))  # τ = 1 step
         params = zero.sync.apply_arrivals(_shift(params0, -0.5))
-        assert zero.sync.versions == [1] and zero.sync.rebased == 1
-        assert zero.sync.steps_since == [5] and zero.sync.data_since == [[[0, 0, 5]]]
+        assert zero.sync.versions == [1] and zero.sync.counters.rebased == 1
+        assert [f.steps_since for f in zero.sync.states] == [5] and [
+            f.data_since for f in zero.sync.states
+        ] == [[[0, 0, 5]]]
         got = _leaves(zero.sync, params)
-        for spec, want in zip(zero.sync.cut[0], theta1, strict=True):
+        for spec, want in zip(zero.sync.partition[0], theta1, strict=True):
             np.testing.assert_allclose(got[spec.index], want - 0.5, rtol=1e-6, atol=1e-6)
         for i in range(5, 8):  # step 8 pushes: 8 steps, batches 0..7, Δ = 0.625
             zero.sync.step_done(_shift(params, -0.125), 64, data=(0, i))
@@ -454,7 +461,7 @@ def test_a_pause_rebases_a_late_push_before_its_flush():
         state = cluster.server.state
         zero, params0, theta1 = _refused_as_late(cluster)
         assert not zero.sync.pause()  # rebased, then pushed from version 1
-        assert zero.sync.rebased == 1 and zero.sync.versions == [1]
+        assert zero.sync.counters.rebased == 1 and zero.sync.versions == [1]
         _wait(zero.sync.pause, "the pause settled: its push answered")
         _wait(lambda: cluster.fragment(0).version == 2, "the pause's merge")
         assert state.merge_log[-1]["learners"] == [0] and state.merge_log[-1]["steps"] == [4]
@@ -462,7 +469,7 @@ def test_a_pause_rebases_a_late_push_before_its_flush():
             np.testing.assert_allclose(value, before - 0.25, rtol=1e-6, atol=1e-6)  # 1 of 2
         _wait(lambda: zero.sync.pause() and zero.sync.versions == [2], "its merge applied")
         got = _leaves(zero.sync, zero.sync.apply_arrivals(params0))  # the pause's parameters
-        for spec, want in zip(zero.sync.cut[0], cluster.fragment(0).values, strict=True):
+        for spec, want in zip(zero.sync.partition[0], cluster.fragment(0).values, strict=True):
             np.testing.assert_array_equal(got[spec.index], want)  # its progress is in Θ_2
     finally:
         cluster.close()
@@ -492,7 +499,7 @@ def test_a_merge_waits_tau_steps_unless_applied_on_arrival_and_its_lag_is_logged
         sync.apply_arrivals(params)
         assert sync.versions == [1] and sync.arrived() == {}
         lag = 2 if on_arrival else 5
-        assert sync.applied == [
+        assert sync.counters.applied == [
             {"fragment": 0, "version": 1, "pushed_at": 8, "applied_at": 8 + lag}
         ]
     finally:
@@ -528,9 +535,11 @@ def test_wait_for_merge_holds_the_step_until_the_merge_of_every_learner_arrives(
         waiter.join(timeout=60)
         assert not waiter.is_alive(), "apply_arrivals did not return after the merge"
         assert zero.sync.versions == [1]
-        assert zero.sync.applied == [{"fragment": 0, "version": 1, "pushed_at": 4, "applied_at": 4}]
+        assert zero.sync.counters.applied == [
+            {"fragment": 0, "version": 1, "pushed_at": 4, "applied_at": 4}
+        ]
         got = _leaves(zero.sync, result["params"])
-        for spec, want in zip(zero.sync.cut[0], cluster.fragment(0).values, strict=True):
+        for spec, want in zip(zero.sync.partition[0], cluster.fragment(0).values, strict=True):
             np.testing.assert_array_equal(got[spec.index], want)
     finally:
         cluster.close()
@@ -557,16 +566,16 @@ def test_keep_overlap_keeps_the_steps_trained_while_a_fragment_was_in_flight():
         now_values = [np.array(x) for x in _leaves(sync, now)]  # (apply_arrivals donates)
         got = _leaves(sync, sync.apply_arrivals(now))
         merged = cluster.fragment(0).values
-        for spec, value in zip(sync.cut[0], merged, strict=True):  # Θ + (θ_now − θ_push)
+        for spec, value in zip(sync.partition[0], merged, strict=True):  # Θ + (θ_now − θ_push)
             np.testing.assert_allclose(got[spec.index], value + 0.5, rtol=1e-6, atol=1e-6)
-        for spec in sync.cut[1]:  # not merged: the live values
+        for spec in sync.partition[1]:  # not merged: the live values
             np.testing.assert_array_equal(got[spec.index], now_values[spec.index])
         assert sync.versions == [1, 0]
         # The merge reused the merged fragment's buffers (no second copy of it was made); the
         # other fragment's arrays are the caller's still.
         old = sync.treedef.flatten_up_to(now)
-        assert all(old[spec.index].is_deleted() for spec in sync.cut[0])
-        assert not any(old[spec.index].is_deleted() for spec in sync.cut[1])
+        assert all(old[spec.index].is_deleted() for spec in sync.partition[0])
+        assert not any(old[spec.index].is_deleted() for spec in sync.partition[1])
     finally:
         cluster.close()
 
@@ -586,8 +595,8 @@ def test_a_tree_holding_one_array_in_two_leaves_is_merged_without_donating():
         # A leaf of fragment 0 and one of fragment 1 of the same shape: one array in both.
         a, b = next(
             (x, y)
-            for x in sync.cut[0]
-            for y in sync.cut[1]
+            for x in sync.partition[0]
+            for y in sync.partition[1]
             if leaves[x.index].shape == leaves[y.index].shape
         )
         leaves[b.index] = leaves[a.index]
@@ -627,20 +636,20 @@ def test_keep_unsent_moves_the_residual_into_the_parameters_when_its_merge_arriv
 
         _steps(sync, _shift(params, -1.0), 8)  # Δ = 1 everywhere; top-k sends a few entries
         kept = residual()
-        for spec in sync.cut[0]:
+        for spec in sync.partition[0]:
             assert 0 < np.count_nonzero(kept[spec.index]) < kept[spec.index].size
             assert np.all((kept[spec.index] == 0) | np.isclose(kept[spec.index], 1.0))
         _wait(lambda: _back(sync) == {0: 1}, "the merge")
         theta = sync.apply_arrivals(params)
         got = _leaves(sync, theta)
-        for spec, value in zip(sync.cut[0], cluster.fragment(0).values, strict=True):
+        for spec, value in zip(sync.partition[0], cluster.fragment(0).values, strict=True):
             # θ ← Θ − residual; the buffer keeps it too (for checkpoints)
             np.testing.assert_allclose(got[spec.index], value - kept[spec.index], rtol=1e-6)
             np.testing.assert_array_equal(residual()[spec.index], kept[spec.index])
         # The next push: Δ = anchor − θ = residual, which must not be added again.
         _steps(sync, theta, 8)
         again = residual()
-        for spec in sync.cut[0]:
+        for spec in sync.partition[0]:
             assert np.count_nonzero(again[spec.index]) < np.count_nonzero(kept[spec.index])
             assert np.all((again[spec.index] == 0) | np.isclose(again[spec.index], 1.0)), (
                 "residual counted twice"
@@ -742,7 +751,9 @@ def test_steps_refused_as_covered_never_reach_a_later_push():
         _wait(lambda: 1 in cluster.fragment(0).pending, "learner 1's push")
         for i in range(4):
             zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, i))
-        _wait(lambda: _ended(zero.sync) and zero.sync.pushes["covered"] == 1, "the refusal")
+        _wait(
+            lambda: _ended(zero.sync) and zero.sync.counters.pushes["covered"] == 1, "the refusal"
+        )
         zero.sync.step_done(_shift(params0, -0.5), 64, data=(0, 4))  # dropped: a hole
         for i in range(5, 8):  # steps 6-8; the step at 8 pushes
             zero.sync.step_done(_shift(params0, -0.75), 64, data=(0, i))
@@ -763,7 +774,7 @@ def test_steps_refused_as_covered_never_reach_a_later_push():
 def test_a_rebased_push_counts_batches_trained_again_since_once():
     # Batches handed back and trained again before a late push's merge came are left out of
     # its rebased ranges (clipped, not dropped whole), with their share of steps and tokens.
-    from decoupled_diloco.learner.push import rebased
+    from decoupled_diloco.learner.fragment import rebased
     from decoupled_diloco.learner.round_trip import Late
 
     late = Late(steps=10, tokens=640, data=[[0, 0, 10]], reference=[])

@@ -118,9 +118,9 @@ def main() -> None:
                 seconds, params, opt_state = loop(params, opt_state)
                 times[name].append(seconds)
                 print(f"[bench_sync_overhead] {name}: {1e3 * seconds:.2f} ms/step", flush=True)
-        pushes = dict(sync.pushes)
+        pushes = dict(sync.counters.pushes)
         versions = list(sync.versions)
-        host_s, blocked_s = sync.sync_host_s, sync.blocked_s
+        host_s, blocked_s = sync.counters.sync_host_s, sync.counters.blocked_s
         sync.__exit__(None, None, None)
     finally:
         syncer.terminate()

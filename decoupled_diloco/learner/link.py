@@ -13,21 +13,22 @@ The built-in `Learner` spells out what `with` does: `connect()` (register, take 
 fragments; heartbeats start), `join(params)` (start from them), the same two calls per step,
 then `flush(params)` and `close()`.
 
-One fragment's round trip: when fragment p is due (staggered schedule, `core.fragments`),
-`step_done` copies its tensors to the host (or encodes Δ on the mesh, `core.compression`) and a
-worker thread pushes Δ = anchor_p − θ_p (`core.outer.Difference`, computed a chunk at a time
-as it streams; retried
-through outages, `outbox.Outbox`), waits for the merge that holds it and leaves the merged values
-in the inbox. `apply_arrivals` merges them into the live parameters (`core.outer.merge_back`) at
-the first step boundary at least τ (`overlap_steps`) steps after the push (or on arrival,
-`apply_on_arrival`); they become the new anchor. The loop never waits for the syncer (unless
-`decoupled.wait_for_merge`: synchronous DiLoCo across the syncer). (The
-push's two halves are functions of the link in `learner.push`; its heartbeats and summary are
-in `learner.progress`.)
+One fragment's round trip (`learner.push.Pusher`): when fragment p is due (staggered schedule,
+`core.fragments`), `step_done` copies its tensors to the host (or encodes Δ on the mesh,
+`core.compression`) and a worker thread pushes Δ = anchor_p − θ_p (`core.outer.Difference`,
+computed a chunk at a time as it streams; retried through outages, `outbox.Outbox`), waits for
+the merge that holds it and leaves the merged values in the inbox. `apply_arrivals` merges them
+into the live parameters (`core.outer.merge_back`) at the first step boundary at least τ
+(`overlap_steps`) steps after the push (or on arrival, `apply_on_arrival`); they become the new
+anchor. The loop never waits for the syncer (unless `decoupled.wait_for_merge`: synchronous
+DiLoCo across the syncer).
 
-What arrives is host numpy; it is put onto the learner's own mesh, so learners with different
-mesh shapes share one syncer. A multi-process island (`multihost`) replaces the device<->host
-hooks (`_to_host`, `_place`, `_take_ready`) by collectives.
+The link is a facade over parts that own their state: each fragment's anchor and counts
+(`learner.fragment.FragmentState`), the pushes and their round trips (`learner.push.Pusher`),
+the counters and the heartbeats that report them (`learner.progress`), and the moves between
+devices and host (`learner.bridge.HostBridge`). What arrives is host numpy; it is put onto the
+learner's own mesh, so learners with different mesh shapes share one syncer. A multi-process
+island passes a bridge that makes those moves collectives (`multihost.CollectiveBridge`).
 """
 
 from __future__ import annotations
@@ -35,20 +36,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from typing import Any
 
 import jax
-import numpy as np
 
 from decoupled_diloco import runtime
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.core import fragments as F
-from decoupled_diloco.learner import mesh_merge, progress, push
+from decoupled_diloco.core import fragments
+from decoupled_diloco.learner import mesh_merge
+from decoupled_diloco.learner.arrivals import Arrivals
+from decoupled_diloco.learner.bridge import Anchors, HostBridge, LocalBridge
 from decoupled_diloco.learner.encoder import MeshEncoder
+from decoupled_diloco.learner.fragment import FragmentState
 from decoupled_diloco.learner.inbox import Inbox
-from decoupled_diloco.learner.outbox import Outbox
-from decoupled_diloco.learner.round_trip import Inbound, Outgoing, Trip
+from decoupled_diloco.learner.progress import Heartbeats, LinkCounters
+from decoupled_diloco.learner.push import Pusher
+from decoupled_diloco.learner.round_trip import Inbound, Trip
 from decoupled_diloco.learner.schedule import Schedule
 
 Params = Any
@@ -73,10 +76,8 @@ class DecoupledSync:
       shardings: the parameters' shardings on this learner's mesh (same tree).
       mesh_name: reported at registration, e.g. "2x1".
       on_state: called with "waiting" while `connect` waits (a timeline's `enter`).
+      bridge: the island's device<->host moves (default: one process, `LocalBridge`).
     """
-
-    aligns = True  # may take a learner ahead's push phase (`decoupled.align_phase`)
-    rebases = True  # keeps the work of a push refused as late (`Inbound.late`)
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class DecoupledSync:
         shardings: Params = None,
         mesh_name: str = "",
         on_state: Callable[[str], None] | None = None,
+        bridge: HostBridge | None = None,
     ):
         # Fragment-sized host buffers go back to the OS when freed (the learner process does
         # this first thing; here for a user's own loop, before the client's threads start).
@@ -122,76 +124,99 @@ class DecoupledSync:
             from decoupled_diloco.tasks import make_task
 
             task = make_task(config)
+        d = config.decoupled
         self.config, self.id, self.client, self.mesh_name = config, learner_id, client, mesh_name
         self.on_state = on_state
         self.on_trip: Callable[[Trip], None] | None = None  # each round trip (`learner.metrics`)
-        self.task_fingerprint = task.fingerprint(F.tensor_specs(abstract_params))
-        self._given = params  # what `__enter__` joins with
-        self._initial: Params = None  # the global values `__enter__` joined, for the first call
-        self._last: Params = None  # the parameters of the last `step_done`, for the exit flush
-        d = config.decoupled
-        self.specs = F.tensor_specs(abstract_params)
-        self.cut = F.partition(self.specs, d.fragments)
+        self.bridge = bridge or LocalBridge()
+        specs = fragments.tensor_specs(abstract_params)
+        self.task_fingerprint = task.fingerprint(specs)
+        self.partition = fragments.partition(specs, d.fragments)  # each fragment's tensors
         self.treedef = jax.tree.structure(abstract_params)
-        # The parameters' device memory is the host's (CPU): `device_get` returns views.
-        self.host_is_device = all(
-            d.platform == "cpu" for s in jax.tree.leaves(shardings) for d in s.device_set
-        )
         self.shardings = self.treedef.flatten_up_to(shardings)
-        num = len(self.cut)
-        self.outbox = Outbox(num, d.syncer.max_unsent, f"learner {learner_id}")
-        self.anchor: list[list[np.ndarray]] = [[] for _ in range(num)]
-        self.versions = [0] * num
-        self.steps_since = [0] * num
-        self.tokens_since = [0] * num
-        self.rounds = [0] * num
-        self.waits = [-1] * num  # per fragment, the round of the push whose merge is awaited
-        # Per fragment, the leased batches trained since its last push ([lease, begin, end)s;
-        # `syncer.ledger`): they go with the push.
-        self.data_since: list[list[list[int]]] = [[] for _ in range(num)]
-        # A lease handed again (`lease_started`): per fragment, (lease, position) up to which
-        # its pushes already hold the batches; the fragment's outer gradient then counts from
-        # θ after that position (`origin`, a host copy) instead of from its anchor.
-        self.skip: dict[int, tuple[int, int]] = {}
-        # Learners training now, as the syncer last said (heartbeat and lease replies; 0: not
-        # heard yet): a constant global batch is split by it (`config.units_per_step`).
-        self.live = 0
-        self.origin: list[list[np.ndarray] | None] = [None] * num
-        # Fragments whose last push the syncer refused as "covered" (its data is in the global
-        # model already): the next step drops what they trained since and counts from θ then.
-        self.covered: set[int] = set()
+        self._given = params  # what `__enter__` joins with
+        self._initial: Params = None  # what the next `apply_arrivals` returns (joined, paused)
+        self._last: Params = None  # the parameters of the last `step_done`, for the exit flush
+        num = len(self.partition)
+        self.states = [FragmentState() for _ in range(num)]
+        self.counters = LinkCounters()
         # When each fragment is due (`learner.schedule`: staggered, every H or DyLU's H).
         self.schedule = Schedule(num, config.inner_steps, d.dynamic_local_updates)
-        self.last_push = [-1] * num  # per fragment, the step of its last (non-final) push
-        # Fragments due while their last round trip was under way (`push.under_way`), and how
-        # many pushes were held so: the link is behind, each fragment syncs less often than H.
-        self.held: set[int] = set()
-        self.deferred = 0
-        self.rebased = 0  # late pushes whose work went with a later push (`push.rebase`)
-        self.paused_at: float | None = None  # the current pause's first poll (`push.pause`)
-        # keep_overlap: per fragment, a device copy of θ at its last push.
-        self.at_push: dict[int, list[jax.Array]] = {}
         self.inbox = Inbox()
-        # Per fragment: undelivered pushes retrying through an outage, and one waiting pull.
-        self.pool = futures.ThreadPoolExecutor(max_workers=num * (d.syncer.max_unsent + 1) + 1)
-        self.trips: dict[int, futures.Future] = {}  # per fragment, its last push's round trip
-        self.jobs: dict[int, Outgoing] = {}  # and that push
         self.stop = threading.Event()
-        self.heartbeats = progress.Heartbeats(self)  # started by `connect` (or `join`)
-        # Progress, as heartbeats report it.
-        self.step = self.tokens = 0
-        self.loss: Any = float("nan")
-        self.eval_loss = float("nan")  # learners do not evaluate; the launcher evaluates Θ
-        self.blocked_s = self.sync_host_s = self.compress_s = 0.0
-        self.errors: list[str] = []
-        self.retries = 0  # this link's own retries of pushes and pulls (the client adds its)
-        self.pushes = {"accepted": 0, "late": 0, "duplicate": 0, "covered": 0}
-        self.round_log: list[dict[str, int]] = []  # bytes per push round (summary, metrics)
-        # Per applied merge: the push it answers and the step it was applied after (the lag is
-        # how many steps trained away from the merged value).
-        self.applied: list[dict[str, int]] = []
         # Outer-gradient compression on this mesh, with its error-feedback residual.
-        self.encoder = MeshEncoder(config, self.cut, abstract_params, shardings)
+        self.encoder = MeshEncoder(config, self.partition, abstract_params, shardings)
+        self.pusher = Pusher(
+            config,
+            learner_id,
+            client,
+            self.partition,
+            self.treedef,
+            self.states,
+            self.counters,
+            self.encoder,
+            self.inbox,
+            self.bridge,
+            self.stop,
+            # The parameters' device memory is the host's (CPU): `device_get` returns views.
+            all(d.platform == "cpu" for s in self.shardings for d in s.device_set),
+            self._merge_paused,
+            lambda trip: self.on_trip is not None and self.on_trip(trip),
+        )
+        self.arrivals = Arrivals(
+            config,
+            self.partition,
+            self.treedef,
+            self.shardings,
+            self.states,
+            self.counters,
+            self.encoder,
+            self.bridge,
+        )
+        self.heartbeats = Heartbeats(  # started by `connect` (or `join`)
+            client,
+            learner_id,
+            self.counters,
+            self.schedule,
+            lambda: self.versions,
+            d.syncer.heartbeat_s,
+            self.stop,
+            self.bridge.talks,
+        )
+
+    # What a loop reads ----------------------------------------------------------------------------
+
+    @property
+    def versions(self) -> list[int]:
+        """Each fragment's version: of the global values it was last anchored at."""
+        return [state.version for state in self.states]
+
+    @property
+    def step(self) -> int:
+        """Inner steps done (a restored learner sets it in `join`)."""
+        return self.counters.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.counters.step = value
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained on."""
+        return self.counters.tokens
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self.counters.tokens = value
+
+    @property
+    def live(self) -> int:
+        """Learners training now, as the syncer last said (0: not heard yet)."""
+        return self.heartbeats.live
+
+    @live.setter
+    def live(self, value: int) -> None:
+        self.heartbeats.live = value
 
     # Joining ---------------------------------------------------------------------------------
 
@@ -201,8 +226,14 @@ class DecoupledSync:
         In a fresh run (every fragment still at version 0) it also waits up to `peers_s` for
         all learners to register, so that they start together and their pushes of a round
         arrive close enough for the grace window to merge them. A learner joining a run in
-        progress never waits.
+        progress never waits. (A multi-process island: its leader does, and tells the rest.)
         """
+        anchors, versions = self.bridge.join(lambda: self._pull(timeout_s, peers_s), self.partition)
+        for state, anchor, version in zip(self.states, anchors, versions, strict=True):
+            state.anchor, state.version = anchor, version
+
+    def _pull(self, timeout_s: float, peers_s: float) -> Anchors:
+        """Registers, waits for peers in a fresh run, and pulls every global fragment."""
         self.client.wait_ready(timeout_s)
         reply = self.client.register(self.id, self.task_fingerprint, self.mesh_name)
         # Heartbeats from registration on: pulling the fragments, building the model and
@@ -216,11 +247,11 @@ class DecoupledSync:
             if len(self.client.status()["learners"]) >= self.config.num_learners:
                 break
             time.sleep(0.05)
-        for p in range(len(self.cut)):
-            version, values = self.client.pull(
-                self.id, p, 0, self.config.decoupled.syncer.rpc_timeout_s
-            )
-            self.anchor[p], self.versions[p] = values, version
+        pulled = [
+            self.client.pull(self.id, p, 0, self.config.decoupled.syncer.rpc_timeout_s)
+            for p in range(len(self.partition))
+        ]
+        return [values for _, values in pulled], [version for version, _ in pulled]
 
     def join(self, params: Params, step: int = 0, tokens: int = 0) -> Params:
         """The global values in place of `params`; starts heartbeats. Call after `connect`.
@@ -233,17 +264,20 @@ class DecoupledSync:
         """
         self.step, self.tokens = step, tokens
         d = self.config.decoupled
-        # (With DyLU each learner's H follows its speed: no common phase to take.)
-        self.schedule.resume(step, d.align_phase and self.aligns and not d.dynamic_local_updates)
+        # (With DyLU each learner's H follows its speed: no common phase to take; a
+        # multi-process island's processes would hear the lead's step at different times.)
+        aligns = d.align_phase and self.bridge.alone and not d.dynamic_local_updates
+        self.schedule.resume(step, aligns)
         leaves = self.treedef.flatten_up_to(params)
-        for p, frag in enumerate(self.cut):
-            for spec, value in zip(frag, self.anchor[p], strict=True):
-                leaves[spec.index] = self._place(value, self.shardings[spec.index])
+        anchors = [state.anchor for state in self.states]
+        for frag, anchor in zip(self.partition, anchors, strict=True):
+            for spec, value in zip(frag, anchor, strict=True):
+                leaves[spec.index] = self.bridge.place(value, self.shardings[spec.index])
         params = jax.tree.unflatten(self.treedef, leaves)
         if self.encoder.enabled:  # compile every fragment's encoder now, not in the step loop
-            self.encoder.warm_up(self.anchor, leaves)
+            self.encoder.warm_up(anchors, leaves)
         residual = self.encoder.residual_leaves() if self.config.compression.keep_unsent else None
-        mesh_merge.warm_up(self.cut, leaves, residual, d.keep_overlap, d.alpha)
+        mesh_merge.warm_up(self.partition, leaves, residual, d.keep_overlap, d.alpha)
         runtime.trim_memory()  # what initialising the model and joining freed goes back now
         self.heartbeats.start()
         return params
@@ -282,71 +316,28 @@ class DecoupledSync:
             params, self._initial = self._initial, None  # values), or after a pause's merges
         t0 = time.perf_counter()
         if self.config.decoupled.wait_for_merge:
-            push.wait_for_due_merges(self)
-        ready = self._take_ready()
-        self.blocked_s += time.perf_counter() - t0
-        return self._merge(params, ready, donate=True)
-
-    def _merge(self, params: Params, ready: dict[int, Inbound], donate: bool = False) -> Params:
-        """`params` with the `ready` merged fragments merged back (`apply_arrivals`).
-
-        `donate`: the merged fragments' buffers in `params` are reused (`apply_arrivals`, whose
-        caller trains on what it returns); else `params` stays as it was (a pause, whose
-        parameters the step loop still holds).
-        """
-        if not ready:
-            return params
-        leaves = self.treedef.flatten_up_to(params)
-        # One array in two leaves (a step that returns aliased outputs) cannot be donated for
-        # one of them and still be read for the other: such a tree is merged without donating.
-        donate = donate and len({id(x) for x in leaves}) == len(leaves)
-        # As in `_launch`: the dispatched steps that produce these values finish outside the
-        # timer (with one device the loop may run a whole round ahead of the compute).
-        jax.block_until_ready([leaves[s.index] for p in ready for s in self.cut[p]])
-        t0 = time.perf_counter()
-        d = self.config.decoupled
-        # keep_unsent: the residual moves into the parameters when the merge answering the
-        # push that left it arrives (the next push then must not add it again).
-        residual = None
-        if self.config.compression.keep_unsent:
-            residual = self.encoder.residual_leaves()
-        for p, inbound in ready.items():
-            # A merge answering an older push than the last one is overwritten as is: the
-            # overlap and the residual it would keep belong to the newer push.
-            latest = inbound.pushed_at == self.last_push[p]
-            at_push = self.at_push.pop(p, None) if d.keep_overlap else None
-            unsent = residual is not None and latest
-            if push.rebasable(self, p, inbound):  # rebased: every step since its reference
-                at_push, unsent = push.rebase(self, p, inbound.late), False
-            merged = [
-                self._place(v, self.shardings[x.index])
-                for x, v in zip(self.cut[p], inbound.values, strict=True)
-            ]
-            mesh_merge.merge_into(
-                leaves,
-                self.cut[p],
-                merged,
-                at_push if latest else None,
-                residual if unsent else None,
-                d.alpha,
-                donate,
-            )
-            self.encoder.in_params[p] = unsent
-            self.anchor[p], self.versions[p] = inbound.values, inbound.version
-            self.origin[p] = None  # the outer gradient counts from the new anchor
-            self.applied.append(
-                dict(
-                    fragment=p,
-                    version=inbound.version,
-                    pushed_at=inbound.pushed_at,
-                    applied_at=self.step,
-                )
-            )
-        self.sync_host_s += time.perf_counter() - t0
-        params = jax.tree.unflatten(self.treedef, leaves)
-        if donate and self._last is not None:  # (its merged fragments' buffers were donated)
+            self.pusher.wait_for_due_merges()
+        ready = self.bridge.take_ready(
+            lambda: self.inbox.take_ready(self.step), self.pusher.in_flight, self.partition
+        )
+        self.counters.blocked_s += time.perf_counter() - t0
+        params = self.arrivals.merge(params, ready, self.step, donate=True)
+        if ready and self._last is not None:  # (its merged fragments' buffers were donated)
             self._last = params
+        if ready:
+            leaves = self.treedef.flatten_up_to(params)
+            for p in ready:
+                merged = fragments.gather(leaves, self.partition[p])
+                self.bridge.merged(self.step, p, self.states[p].version, merged)
         return params
+
+    def _merge_paused(self, params: Params, ready: dict[int, Inbound]) -> Params:
+        """Merges applied at a pause or the end (`Pusher.apply_all`), not donating `params`.
+
+        The step loop still holds `params`: the next `apply_arrivals` returns what this makes.
+        """
+        self._initial = self._last = self.arrivals.merge(params, ready, self.step)
+        return self._initial
 
     def step_done(
         self,
@@ -374,34 +365,24 @@ class DecoupledSync:
         if isinstance(data, tuple):  # one unit
             data = [[data[0], data[1], data[1] + 1]]
         ranges = data or []
-        self.paused_at = None
+        self.pusher.paused_at = None
         self.step += 1
         self.tokens += tokens
         self._last = params
         if loss is not None:
-            self.loss = loss
-        for p in range(len(self.cut)):
-            if p in self.covered:  # its refused steps (and this one) must not reach a push
-                self.covered.discard(p)
-                push.restart_count(self, params, p)
+            self.counters.loss = loss
+        for p, state in enumerate(self.states):
+            if state.covered:  # its refused steps (and this one) must not reach a push
+                state.covered = False
+                self.pusher.restart_count(params, p)
                 continue
-            skipped = p in self.skip and [r for r in ranges if r[0] == self.skip[p][0]]
-            if skipped:  # covered data: not counted
-                if max(r[2] for r in skipped) >= self.skip[p][1]:  # covered to here: from θ
-                    del self.skip[p]
-                    leaves = F.gather(self.treedef.flatten_up_to(params), self.cut[p])
-                    self.origin[p] = self._to_host(leaves)
-                continue
-            self.steps_since[p] += 1
-            self.tokens_since[p] += tokens
-            since = self.data_since[p]
-            for lease, begin, end in ranges:
-                if since and since[-1][0] == lease and since[-1][2] == begin:
-                    since[-1][2] = end
-                else:
-                    since.append([lease, begin, end])
+            skipped = state.skipped(ranges)
+            if skipped:  # the lease's covered steps are over: Δ counts from θ after them
+                state.origin = self.pusher.host_copy(params, p)
+            if skipped is None:
+                state.count(tokens, ranges)
         self.schedule.step_finished(self.step)
-        push.push_due(self, params, self.schedule.due(self.step))
+        self.pusher.push_due(params, self.schedule.due(self.step))
 
     def lease_started(self, lease: int, begin: int, covered: list[int]) -> None:
         """A lease (handed again) starts at `begin`; fragment p's pushes hold it to covered[p].
@@ -409,9 +390,9 @@ class DecoupledSync:
         Until then fragment p counts none of the steps (they would be pushed twice); after
         the step at covered[p] − 1 its outer gradient is taken from θ then, not its anchor.
         """
-        for p, until in enumerate(covered):
+        for state, until in zip(self.states, covered, strict=False):
             if until > begin:
-                self.skip[p] = (lease, until)
+                state.skip = (lease, until)
 
     def arrived(self) -> dict[int, int]:
         """Merged fragments that have arrived and wait for their step: fragment -> version."""
@@ -430,23 +411,27 @@ class DecoupledSync:
         t0 = time.perf_counter()
         if self._initial is not None:  # what the next `apply_arrivals` returns: the latest
             params = self._initial
-        push.flush(self, self._last if params is None else params, final=True)
+        self.pusher.flush(self._last if params is None else params, final=True)
         return time.perf_counter() - t0
 
     def pause(self) -> bool:
-        """One poll of a leased learner's wait for a lease: whether it is settled (`push.pause`)."""
-        return push.pause(self, self._initial if self._initial is not None else self._last)
+        """One poll of a leased learner's wait for a lease: whether it is settled (`Pusher.pause`).
+
+        The merges it applies are in what the next `apply_arrivals` returns.
+        """
+        settled, _ = self.pusher.pause(self._initial if self._initial is not None else self._last)
+        return settled
 
     def close(self) -> None:
         """Stops the background work, tells the syncer this learner is done, closes the client."""
         self.stop.set()
         if self.heartbeats.started:
             self.heartbeats.join()
-            self._heartbeat("done")
-        self.pool.shutdown(wait=False, cancel_futures=True)
+            self.heartbeats.send("done")
+        self.pusher.close()
         self.client.close()
 
-    # Checkpoints -----------------------------------------------------------------------------
+    # Checkpoints and summary -----------------------------------------------------------------
 
     def checkpoint_items(self) -> dict[str, Any]:
         """This link's state pytrees for an Orbax checkpoint, by name (the EF residual)."""
@@ -459,46 +444,24 @@ class DecoupledSync:
             self.encoder.residual = items["ef_residual"]
 
     def summary(self) -> dict[str, Any]:
-        """This link's counters for the learner's summary (`progress.summary`)."""
-        return progress.summary(self)
-
-    # Device <-> host (a multi-process island replaces these by collectives) ------------------
-
-    def _take_ready(self) -> dict[int, Inbound]:
-        """Removes and returns the merged fragments whose overlap has passed."""
-        return self.inbox.take_ready(self.step)
-
-    def _to_host(self, leaves: list[jax.Array]) -> list[np.ndarray]:
-        """Host copies of device arrays."""
-        return [np.asarray(x) for x in jax.device_get(leaves)]
-
-    def _place(self, value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-        """A host value onto this learner's devices."""
-        return jax.device_put(value, sharding)
-
-    # One push (`learner.push`) ---------------------------------------------------------------
-
-    def _launch(self, params: Params, p: int, final: bool = False) -> None:
-        """Hands fragment p's push to a worker thread (its host copy or encoding made here)."""
-        push.launch(self, params, p, final)
-
-    def _under_way(self, p: int) -> bool:
-        """Fragment p's last round trip has not ended (`push.under_way`)."""
-        return push.under_way(self, p)
-
-    def _retried(self) -> None:
-        self.retries += 1
-
-    def _sync(self, job: Outgoing) -> None:
-        """Background: one fragment's round trip (`push.sync`); its merge goes to the inbox."""
-        push.sync(self, job)
-
-    def _on_covered(self, p: int) -> None:
-        """A push of p was refused as covered: the next step restarts p's count."""
-        self.covered.add(p)
-
-    # Heartbeats (`learner.progress`; the thread is `self.heartbeats`) ------------------------
-
-    def _heartbeat(self, state: str) -> None:
-        """Sends one heartbeat (`progress.Heartbeats.send`); `multihost`: its leader only."""
-        self.heartbeats.send(state)
+        """This link's counters for the learner's summary (and its metrics)."""
+        c, outbox = self.counters, self.pusher.outbox
+        return {
+            "versions": self.versions,
+            "pushes": c.pushes,
+            "pushes_folded": outbox.folded,
+            "pushes_dropped": outbox.dropped,
+            "pushes_unsent": outbox.unsent(),
+            # Pushes held because the fragment's last round trip had not ended (a link behind).
+            "pushes_deferred": c.deferred,
+            # Pushes refused as late whose steps and data went with a later push (`_rebase`).
+            "pushes_rebased": c.rebased,
+            "retries": self.client.retries_done + c.retries,
+            "errors": c.errors,
+            # Traffic of the data calls, headers included (the initial pulls too).
+            "bytes_sent": self.client.bytes_sent,
+            "bytes_received": self.client.bytes_received,
+            "compression": self.encoder.codec.scheme,
+            "rounds": c.round_log,
+            "applied": c.applied,
+        }

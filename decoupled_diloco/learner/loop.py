@@ -106,13 +106,12 @@ class Learner:
         self.leaving = threading.Event()  # `leave`: stop at the next step, flush, say done
         self.leases_trained: list[int] = []  # leases it trained on, in order (with leases)
 
-    sync_class = DecoupledSync  # a multi-process island's replaces its device<->host hooks
     lease_ahead = True  # ask for the next lease in a thread (`leases.leased_batches`)
     settle_s = 30.0  # poll a pause this long between lease calls (`leases.leased_batches`)
 
     def _make_sync(self, client: Any, **extra: Any) -> DecoupledSync:
-        """This learner's link (`extra`: more arguments of `sync_class`)."""
-        return self.sync_class(
+        """This learner's link (`extra`: more arguments of `DecoupledSync`, e.g. `bridge`)."""
+        return DecoupledSync(
             self.config,
             self.id,
             task=self.island.task,
@@ -358,7 +357,7 @@ class Learner:
 
     def _summary(self, train_wall: float, flush_s: float) -> dict[str, Any]:
         """This learner's summary (`learner_I.json`)."""
-        s = self.sync
+        s = self.sync.counters
         return {
             "learner_id": self.id,
             "mesh": self.mesh_name,
@@ -387,5 +386,5 @@ class Learner:
             # Encoding on the mesh, done in the step loop (inside `sync_host_s`).
             "compress_s": s.compress_s,
             "compress_fraction": s.compress_s / max(train_wall, 1e-9),
-            **s.summary(),
+            **self.sync.summary(),
         }

@@ -81,7 +81,7 @@ class LearnerMetrics(Collector):
             GaugeMetricFamily(
                 "dd_learner_loss", "Training loss of the latest step.", labels=["learner"]
             ),
-            sync.loss,
+            sync.counters.loss,
         )
         yield one(
             GaugeMetricFamily(
@@ -97,7 +97,7 @@ class LearnerMetrics(Collector):
                 "Time the step loop waited on the syncer.",
                 labels=["learner"],
             ),
-            sync.blocked_s,
+            sync.counters.blocked_s,
         )
         yield one(
             CounterMetricFamily(
@@ -105,7 +105,7 @@ class LearnerMetrics(Collector):
                 "Time the step loop spent on host copies and encoding for syncs.",
                 labels=["learner"],
             ),
-            sync.sync_host_s,
+            sync.counters.sync_host_s,
         )
         yield one(
             CounterMetricFamily(

@@ -38,16 +38,18 @@ import dataclasses
 import pathlib
 import types
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from decoupled_diloco.config import ConfigError, ExperimentConfig
-from decoupled_diloco.core import fragments as F
-from decoupled_diloco.learner.link import DecoupledSync, Inbound, Outgoing
+from decoupled_diloco.core.fragments import TensorSpec
+from decoupled_diloco.learner.bridge import Anchors
+from decoupled_diloco.learner.link import DecoupledSync
 from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.learner.round_trip import Inbound
 
 # Seconds without a heartbeat before the coordination service declares a process dead and
 # aborts the island's other processes (JAX's default is 100 s, slow for a failure test).
@@ -146,110 +148,98 @@ def broadcast(tree: Any) -> Any:
     return multihost_utils.broadcast_one_to_all(tree)
 
 
-class MultihostSync(DecoupledSync):
-    """A `DecoupledSync` whose device<->host moves are collectives; only the leader talks.
+class CollectiveBridge:
+    """A `HostBridge` whose moves are collectives over the island; only the leader talks.
+
+    Every call is a collective the island's processes make at the same point of their step
+    loops (see the module doc).
 
     Args:
-      *args, **kwargs: as for `DecoupledSync`.
       group: this process's place in the island.
     """
 
-    aligns = False  # its processes would hear the lead's step at different times
-    # Only the leader hears a refusal as late (its counts and data are the leader's): a late
-    # push's data is handed out again, as before rebasing.
-    rebases = False
+    # Only the leader hears a refusal, and acting on it would take a collective at the same
+    # step on every process: a push refused as late is not rebased (its data is handed out
+    # again) and one refused as covered does not restart its count (its steps can then reach
+    # the global model with the next push: a lease handed again while the island was slow,
+    # not dead, which the ledger cannot see). The lead's phase would be heard at different
+    # times by the processes: not taken.
+    alone = False
 
-    def __init__(self, *args: Any, group: ProcessGroup, **kwargs: Any):
+    def __init__(self, group: ProcessGroup):
         self.group = group
+        self.talks = group.is_leader
         # (step, fragment, version, digest of this process's shards) after each merge: equal
         # across the processes of an island whose processes differ only along the data axis.
         self.merge_digests: list[list[Any]] = []
-        self._merged_now: list[int] = []
-        self._busy: set[int] = set()  # fragments whose round trip is under way, agreed
-        super().__init__(*args, **kwargs)
+        self.busy: set[int] = set()  # fragments whose round trip is under way, agreed
 
-    def _to_host(self, leaves: Sequence[jax.Array]) -> list[np.ndarray]:
+    def to_host(self, leaves: Sequence[jax.Array]) -> list[np.ndarray]:
+        """Host copies of global arrays (an all-gather)."""
         return to_host(leaves)
 
-    def _place(self, value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    def place(self, value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+        """A host value as a global array (each process places its own shards)."""
         return put_global(value, sharding)
 
-    def connect(self, timeout_s: float = 120.0, peers_s: float = 60.0) -> None:
+    def join(self, pull: Callable[[], Anchors], partition: list[list[TensorSpec]]) -> Anchors:
         """The leader connects and pulls; every process receives the global fragments."""
         # The island's collectives connect first, while the links are idle: the leader's pull
         # can fill its link for minutes, and gloo's connects behind it (their SYNs dropped by a
         # full queue) time out ("Connect timeout", seen at 0.5 Mbit/s between sites).
         broadcast(np.int32(0))
         if self.group.is_leader:
-            super().connect(timeout_s, peers_s)
+            anchors, versions = pull()
         else:
-            self.anchor = [[np.zeros(s.shape, s.dtype) for s in frag] for frag in self.cut]
-        self.anchor, versions = broadcast((self.anchor, np.asarray(self.versions, np.int32)))
-        self.anchor = [[np.asarray(x) for x in frag] for frag in self.anchor]
-        self.versions = [int(v) for v in versions]
+            anchors = [[np.zeros(s.shape, s.dtype) for s in frag] for frag in partition]
+            versions = [0] * len(partition)
+        anchors, versions = broadcast((anchors, np.asarray(versions, np.int32)))
+        return [[np.asarray(x) for x in frag] for frag in anchors], [int(v) for v in versions]
 
-    def _sync(self, job: Outgoing) -> None:
-        if self.group.is_leader:
-            super()._sync(job)
-        elif job.ticket is not None:
-            # Not ours to send: settle the push's outbox entry at once, so nothing piles up.
-            self.outbox.deliver(job.ticket, lambda: None, self.stop)
-        job.release()  # (kept in `jobs`: see `push.sync`)
-
-    def _under_way(self, p: int) -> bool:
-        # As the leader saw it at the last step boundary (`_take_ready`): every process of
-        # the island holds or pushes the same fragments at the same step.
-        return p in self._busy
-
-    def _heartbeat(self, state: str) -> None:
-        if self.group.is_leader:
-            super()._heartbeat(state)
-
-    def _on_covered(self, p: int) -> None:
-        # Only the leader hears it, and restarting the count takes a collective that every
-        # process would have to make at the same step: not done. Such a push's steps can
-        # then reach the global model in the next push of p (a lease handed again while its
-        # island was slow, not dead; the ledger cannot see it).
-        del p
-
-    def _take_ready(self) -> dict[int, Inbound]:
+    def take_ready(
+        self,
+        take: Callable[[], dict[int, Inbound]],
+        in_flight: Callable[[int], bool],
+        partition: list[list[TensorSpec]],
+    ) -> dict[int, Inbound]:
         """The leader's ready merges, agreed by every process (two broadcasts)."""
-        ready = super()._take_ready() if self.group.is_leader else {}
+        num = len(partition)
+        ready = take() if self.group.is_leader else {}
         # Row 0: the version applied now per fragment (-1: none); row 1: the push it answers;
         # row 2: 1 where its round trip is under way (the next step holds its push if due).
-        agreed = np.full((3, len(self.cut)), -1, np.int32)
+        agreed = np.full((3, num), -1, np.int32)
         for p, inbound in ready.items():
             agreed[:2, p] = inbound.version, inbound.pushed_at
         if self.group.is_leader:
-            agreed[2] = [super(MultihostSync, self)._under_way(p) for p in range(len(self.cut))]
+            agreed[2] = [in_flight(p) for p in range(num)]
         versions, pushed_at, busy = broadcast(agreed)
-        self._busy = {p for p in range(len(self.cut)) if busy[p] > 0}
-        chosen = [p for p in range(len(self.cut)) if versions[p] >= 0]
+        self.busy = {p for p in range(num) if busy[p] > 0}
+        chosen = [p for p in range(num) if versions[p] >= 0]
         if not chosen:
             return {}
         values = [
             ready[p].values
             if self.group.is_leader
-            else [np.zeros(s.shape, s.dtype) for s in self.cut[p]]
+            else [np.zeros(s.shape, s.dtype) for s in partition[p]]
             for p in chosen
         ]
         values = broadcast(values)
-        self._merged_now = chosen
         return {
             p: Inbound(int(versions[p]), [np.asarray(x) for x in vals], 0, int(pushed_at[p]))
             for p, vals in zip(chosen, values, strict=True)
         }
 
-    def apply_arrivals(self, params: Any) -> Any:
-        """As `DecoupledSync.apply_arrivals`; records each merge's shard digest."""
-        self._merged_now = []
-        params = super().apply_arrivals(params)
-        if self._merged_now:
-            leaves = self.treedef.flatten_up_to(params)
-            for p in self._merged_now:
-                digest = shard_digest(F.gather(leaves, self.cut[p]))
-                self.merge_digests.append([self.step, p, self.versions[p], digest])
-        return params
+    def under_way(self, p: int, in_flight: Callable[[int], bool]) -> bool:
+        """As the leader saw it at the last step boundary (`take_ready`).
+
+        Every process of the island holds or pushes the same fragments at the same step.
+        """
+        del in_flight
+        return p in self.busy
+
+    def merged(self, step: int, p: int, version: int, leaves: list[jax.Array]) -> None:
+        """Records the digest of this process's shards of the merged fragment."""
+        self.merge_digests.append([step, p, version, shard_digest(leaves)])
 
 
 class MultihostLearner(Learner):
@@ -309,17 +299,16 @@ class MultihostLearner(Learner):
             # A restart must skip the same batches on every process: the leader's journal rules.
             self.checkpoints.journal = _AgreedJournal(self.checkpoints.journal, group.is_leader)
 
-    sync_class = MultihostSync
     lease_ahead = False  # its processes ask together (a broadcast), at each lease's end
     settle_s = 0.0  # and poll their pause once per ask, together
 
-    def _make_sync(self, client: Any, **extra: Any) -> MultihostSync:
-        return super()._make_sync(client, group=self.group, **extra)
+    def _make_sync(self, client: Any, **extra: Any) -> DecoupledSync:
+        return super()._make_sync(client, bridge=CollectiveBridge(self.group), **extra)
 
     def _ask(self, flushed: bool) -> Any:
         """The leader asks for the island; every process trains the same lease."""
         statuses = ("granted", "wait", "done", "off")
-        num = len(self.sync.cut)
+        num = len(self.sync.partition)
         row = np.zeros(5 + num, np.int64)
         if self.group.is_leader:
             g = super()._ask(flushed)
@@ -345,7 +334,7 @@ class MultihostLearner(Learner):
         summary.update(
             process_id=self.group.process_id,
             num_processes=self.group.num_processes,
-            merge_digests=self.sync.merge_digests,
+            merge_digests=self.sync.bridge.merge_digests,
         )
         return summary
 
