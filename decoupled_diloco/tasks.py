@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from decoupled_diloco.config import DATASETS, ConfigError, ExperimentConfig, ModelConfig
-from decoupled_diloco.core import fragments as F
+from decoupled_diloco.core import fragments
 from decoupled_diloco.models.mesh import make_island_mesh
 
 Batch = Any  # an array with a leading batch axis, or a dict of them
@@ -194,13 +194,13 @@ class Task:
         """A bool tree like `abstract_params`: which leaves are `nnx.Param`s (differentiated)."""
         model = _abstract_model(self.build_model)
         names = {
-            F.path_name(path)
+            fragments.path_name(path)
             for path, _ in jax.tree_util.tree_flatten_with_path(
                 nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[1])
             )[0]
         }
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: F.path_name(path) in names, self.abstract_params()
+            lambda path, _: fragments.path_name(path) in names, self.abstract_params()
         )
 
     def is_averaged(self, name: str) -> bool:
@@ -211,7 +211,7 @@ class Task:
     def _averaged_names(self) -> frozenset[str]:
         trainable = self.trainable()
         return frozenset(
-            F.path_name(path)
+            fragments.path_name(path)
             for path, is_param in jax.tree_util.tree_flatten_with_path(trainable)[0]
             if not is_param
         )
@@ -231,10 +231,10 @@ class Task:
         """Names the task in fingerprints and errors: its import path, else its name."""
         return self.import_path or self.name
 
-    def fingerprint(self, specs: list[F.TensorSpec] | None = None) -> str:
+    def fingerprint(self, specs: list[fragments.TensorSpec] | None = None) -> str:
         """The task's identity and its synced tree's digest (checked at registration)."""
-        specs = specs if specs is not None else F.tensor_specs(self.abstract_params())
-        return f"{self.identity()}@{F.fingerprint(specs)}"
+        specs = specs if specs is not None else fragments.tensor_specs(self.abstract_params())
+        return f"{self.identity()}@{fragments.fingerprint(specs)}"
 
     def tokens_per_step(self, batch_size: int) -> int:
         """What one inner step of `batch_size` rows counts, in `token_unit`s."""

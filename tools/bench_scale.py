@@ -139,13 +139,13 @@ def run_cell(size: str, learners: int, rounds: int, snapshots_kept: int = 3) -> 
     """One (size, M) cell: a syncer process and M pushing threads; the measurements."""
     from decoupled_diloco import tasks
     from decoupled_diloco.comm.client import SyncerClient
-    from decoupled_diloco.core import fragments as F
+    from decoupled_diloco.core import fragments
     from decoupled_diloco.local.procs import reap
 
     config = config_for(size, learners, snapshots_kept)
     task = tasks.make_task(config)
-    specs = F.tensor_specs(task.abstract_params())
-    cut = F.partition(specs, FRAGMENTS)
+    specs = fragments.tensor_specs(task.abstract_params())
+    cut = fragments.partition(specs, FRAGMENTS)
     owned = sum(s.nbytes for s in specs)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_scale_"))
     syncer = start_syncer(config, tmp, durable=True)
@@ -246,10 +246,10 @@ def disk_shortfall(size: str, learners: int, rounds: int, snapshots_kept: int = 
     snapshot (measured at 1B, M=4, 3 kept: 57.6 GB after 2 rounds, 14× the model).
     """
     from decoupled_diloco import tasks
-    from decoupled_diloco.core import fragments as F
+    from decoupled_diloco.core import fragments
 
     task = tasks.make_task(config_for(size, learners))
-    model = sum(s.nbytes for s in F.tensor_specs(task.abstract_params()))
+    model = sum(s.nbytes for s in fragments.tensor_specs(task.abstract_params()))
     need = model * (learners * min(rounds, snapshots_kept + 1) + 2 * (snapshots_kept + 1))
     free = shutil.disk_usage(tempfile.gettempdir()).free
     if need <= free:

@@ -34,7 +34,7 @@ class SyncerConfig:
         chunk) no longer counts towards the quorum, and its data leases are handed again.
       max_grace_s: upper bound of the adaptive grace window, in seconds.
       max_staleness: pushes anchored more than this many versions behind are refused as late
-        (their learner sends the work again with its next push, `learner.push.rebase`; in
+        (their learner sends the work again with its next push, `FragmentState.rebase`; in
         a multi-process island their batches are handed out again instead).
       shards: S syncer processes; shard s owns the fragments p with p % S == s, keeps its own
         checkpoints, and fails alone (learners keep syncing the other shards' fragments).

@@ -18,8 +18,7 @@ import numpy as np
 
 from decoupled_diloco.comm import wire
 from decoupled_diloco.config import ExperimentConfig
-from decoupled_diloco.core import compression
-from decoupled_diloco.core import fragments as F
+from decoupled_diloco.core import compression, fragments
 from decoupled_diloco.learner.round_trip import Encoded
 
 
@@ -28,7 +27,7 @@ class MeshEncoder:
 
     Args:
       config: the experiment (`compression`).
-      cut: the fragments' tensor specs.
+      partition: each fragment's tensor specs (`core.fragments.partition`).
       abstract_params: the parameter tree's shapes and dtypes.
       shardings: the parameters' shardings (same tree).
     """
@@ -36,12 +35,12 @@ class MeshEncoder:
     def __init__(
         self,
         config: ExperimentConfig,
-        cut: Sequence[Sequence[F.TensorSpec]],
+        partition: Sequence[Sequence[fragments.TensorSpec]],
         abstract_params: Any,
         shardings: Any,
     ):
         z = config.compression
-        self.cut, self.treedef = cut, jax.tree.structure(abstract_params)
+        self.partition, self.treedef = partition, jax.tree.structure(abstract_params)
         self.shardings = self.treedef.flatten_up_to(shardings)
         self.codec = compression.codec_for(z)
         self.enabled = z.scheme != "none"
@@ -57,14 +56,14 @@ class MeshEncoder:
             )
         # keep_unsent: per fragment, whether θ already holds the residual (it stays in the
         # buffer too, so that a checkpoint keeps it: a restart starts θ from the global values).
-        self.in_params = [False] * len(cut)
+        self.in_params = [False] * len(partition)
 
     def forget(self, p: int) -> None:
         """Zeroes fragment p's residual (its push was refused; the next one sends it all)."""
         leaves = self.residual_leaves()
         if leaves is None:
             return
-        for spec in self.cut[p]:
+        for spec in self.partition[p]:
             leaves[spec.index] = jnp.zeros_like(leaves[spec.index])
         self.residual = jax.tree.unflatten(self.treedef, leaves)
         self.in_params[p] = False
@@ -76,12 +75,12 @@ class MeshEncoder:
     def warm_up(self, anchors: Sequence[Sequence[np.ndarray]], leaves: Sequence[jax.Array]) -> None:
         """Compiles every fragment's encoder now, not in the step loop."""
         residual = self.residual_leaves()
-        for p, frag in enumerate(self.cut):
+        for p, frag in enumerate(self.partition):
             jax.block_until_ready(
                 self._encode(
                     anchors[p],
-                    F.gather(leaves, frag),
-                    None if residual is None else F.gather(residual, frag),
+                    fragments.gather(leaves, frag),
+                    None if residual is None else fragments.gather(residual, frag),
                 )
             )
 
@@ -94,14 +93,14 @@ class MeshEncoder:
         residual_leaves = self.residual_leaves()
         residual = None
         if residual_leaves is not None:
-            residual = F.gather(residual_leaves, self.cut[p])
+            residual = fragments.gather(residual_leaves, self.partition[p])
             if self.in_params[p]:  # keep_unsent: θ holds it, so Δ = anchor − θ does
                 residual = [jnp.zeros_like(x) for x in residual]
                 self.in_params[p] = False
         sections, new_residual = self._encode(anchor, leaves, residual)
         sections = jax.device_get(sections)
         if new_residual is not None:
-            for spec, value in zip(self.cut[p], new_residual, strict=True):
+            for spec, value in zip(self.partition[p], new_residual, strict=True):
                 residual_leaves[spec.index] = jax.device_put(value, self.shardings[spec.index])
             self.residual = jax.tree.unflatten(self.treedef, residual_leaves)
-        return Encoded(wire.encoded_arrays(sections, self.cut[p], self.codec))
+        return Encoded(wire.encoded_arrays(sections, self.partition[p], self.codec))

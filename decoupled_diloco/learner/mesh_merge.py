@@ -11,8 +11,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from decoupled_diloco.core import fragments as F
-from decoupled_diloco.core import outer
+from decoupled_diloco.core import fragments, outer
 
 
 def merge_fragment(
@@ -48,7 +47,7 @@ def device_copy(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def merge_into(
     leaves: list[jax.Array],
-    frag: Sequence[F.TensorSpec],
+    frag: Sequence[fragments.TensorSpec],
     merged: list[jax.Array],
     at_push: list[jax.Array] | None,
     residual: list[jax.Array] | None,
@@ -71,9 +70,9 @@ def merge_into(
     none = [None] * len(frag)
     new = (_merge_donated if donate else _merge)(
         merged,
-        F.gather(leaves, frag),
+        fragments.gather(leaves, frag),
         none if at_push is None else at_push,
-        none if residual is None else F.gather(residual, frag),
+        none if residual is None else fragments.gather(residual, frag),
         alpha=alpha,
     )
     for spec, value in zip(frag, new, strict=True):
@@ -81,7 +80,7 @@ def merge_into(
 
 
 def warm_up(
-    cut: Sequence[Sequence[F.TensorSpec]],
+    partition: Sequence[Sequence[fragments.TensorSpec]],
     leaves: list[jax.Array],
     residual: list[jax.Array] | None,
     keep_overlap: bool,
@@ -90,14 +89,14 @@ def warm_up(
     """Compiles every fragment's merge-back (and overlap copy) by running it on `leaves`.
 
     Args:
-      cut: the fragments' tensor specs.
+      partition: the fragments' tensor specs.
       leaves: the joined parameters' leaves (the results are dropped).
       residual: the error-feedback residual's leaves, when `keep_unsent` adds it back.
       keep_overlap: whether merges keep the steps since the push (`at_push` copies).
       alpha: the merge-back's mixing weight.
     """
-    for frag in cut:
-        local = F.gather(leaves, frag)
+    for frag in partition:
+        local = fragments.gather(leaves, frag)
         # The same call `merge_into` makes at a merge, on copies (it donates the fragment's
         # parameters); the results are dropped.
         scratch = list(leaves)
@@ -112,4 +111,4 @@ def warm_up(
             alpha,
             donate=True,
         )
-        jax.block_until_ready(F.gather(scratch, frag))
+        jax.block_until_ready(fragments.gather(scratch, frag))

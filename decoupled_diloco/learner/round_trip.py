@@ -51,7 +51,7 @@ class Inbound:
     apply_after_step: int
     pushed_at: int = -1  # the step of the push this merge answers (-1: unknown)
     # The current values after a late refusal of that push: applied keeping every step since
-    # the push's reference, whose counts and data go with the next push (`push.sync`).
+    # the push's reference, whose counts and data go with the next push (`learner.arrivals`).
     late: Late | None = None
 
 
@@ -78,7 +78,7 @@ class Outgoing:
     origin: list[np.ndarray] | None = None  # Δ = origin − θ instead of anchor − θ (`lease_started`)
 
     def release(self) -> None:
-        """Lets go of the arrays once the trip is over (the job itself may be kept: `push.sync`)."""
+        """Lets go of the arrays once the trip is over (the job may be kept: `Pusher.jobs`)."""
         self.local = self.anchor = self.origin = None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-from decoupled_diloco.core import fragments as F
+from decoupled_diloco.core import fragments
 
 _STEP_WINDOW = 10  # steps per measurement of the step time
 
@@ -21,7 +21,7 @@ def reschedule(step: int, num_fragments: int, inner_steps: int) -> list[int]:
     """Each fragment's next due step after `step` on the staggered schedule."""
     due = []
     for p in range(num_fragments):
-        first = F.offset(p, num_fragments, inner_steps)
+        first = fragments.offset(p, num_fragments, inner_steps)
         due.append(
             first if step < first else first + ((step - first) // inner_steps + 1) * inner_steps
         )

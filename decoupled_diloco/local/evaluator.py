@@ -8,7 +8,7 @@ import jax
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
-from decoupled_diloco.core import fragments as F
+from decoupled_diloco.core import fragments
 from decoupled_diloco.data.dataset import describe, load_dataset
 from decoupled_diloco.island import Island
 
@@ -29,8 +29,8 @@ class GlobalEvaluator:
     ):
         self.config, self.client = config, client
         self.island = Island(config, jax.devices()[:1], mesh_shape=(1, 1), task=task)
-        specs = F.tensor_specs(self.island.abstract_params)
-        self.cut = F.partition(specs, config.decoupled.fragments)
+        specs = fragments.tensor_specs(self.island.abstract_params)
+        self.partition = fragments.partition(specs, config.decoupled.fragments)
         self.num_leaves = len(specs)
         dataset = load_dataset(config, corpus, self.island.task)
         self.data_key, self.data_facts = describe(dataset)  # for the run's summary
@@ -40,7 +40,7 @@ class GlobalEvaluator:
     def params(self) -> Any:
         """The current global parameters, as a host pytree."""
         leaves: list[Any] = [None] * self.num_leaves
-        for p, fragment in enumerate(self.cut):
+        for p, fragment in enumerate(self.partition):
             _, values = self.client.pull(-1, p, 0, self.config.decoupled.syncer.rpc_timeout_s)
             for spec, value in zip(fragment, values, strict=True):
                 leaves[spec.index] = value

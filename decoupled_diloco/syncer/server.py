@@ -25,7 +25,7 @@ from absl import logging
 from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import wire
 from decoupled_diloco.config import ExperimentConfig, lease_unit, units_per_step
-from decoupled_diloco.core import fragments as F
+from decoupled_diloco.core import fragments
 from decoupled_diloco.syncer.guard import control_slots, data_slots
 from decoupled_diloco.syncer.handlers import add_service
 from decoupled_diloco.syncer.payloads import PushStore
@@ -35,10 +35,10 @@ from decoupled_diloco.syncer.state import SyncerState
 
 def initial_fragments(
     config: ExperimentConfig, task: tasks.Task | None = None, initial: Any = None
-) -> tuple[list[list[F.TensorSpec]], list[list]]:
-    """The fragment cut of the task's synced tree and every fragment's initial values (host).
+) -> tuple[list[list[fragments.TensorSpec]], list[list]]:
+    """The fragment partition of the task's synced tree and every fragment's initial values (host).
 
-    From the task alone (default: `make_task(config)`): its abstract tree gives the cut, its
+    From the task alone (default: `make_task(config)`): its abstract tree gives the partition, its
     initializer (the learners' seed, no mesh) version 0, unless `initial` (a tree like the
     task's, e.g. pretrained parameters) is given. Learners start from the syncer's values,
     whatever their meshes.
@@ -48,10 +48,12 @@ def initial_fragments(
     """
     if task is None and not config.task and initial is None:
         task = tasks.make_task(config)
-        size = sum(s.nbytes for s in F.tensor_specs(task.abstract_params()))
+        size = sum(s.nbytes for s in fragments.tensor_specs(task.abstract_params()))
         if size <= _CACHED_BYTES:  # tests start many syncers of one small model
-            cut, values = _builtin_fragments(config)
-            return cut, list(values)  # (the caller may empty its list; the cache keeps its own)
+            partition, values = _builtin_fragments(config)
+            return partition, list(
+                values
+            )  # (the caller may empty its list; the cache keeps its own)
     return _fragments(config, task or tasks.make_task(config), initial)
 
 
@@ -61,25 +63,28 @@ _CACHED_BYTES = 64 << 20
 
 
 @functools.lru_cache(maxsize=4)
-def _builtin_fragments(config: ExperimentConfig) -> tuple[list[list[F.TensorSpec]], list[list]]:
+def _builtin_fragments(
+    config: ExperimentConfig,
+) -> tuple[list[list[fragments.TensorSpec]], list[list]]:
     return _fragments(config, tasks.make_task(config))
 
 
 def _fragments(
     config: ExperimentConfig, task: tasks.Task, initial: Any = None
-) -> tuple[list[list[F.TensorSpec]], list[list]]:
-    specs = F.tensor_specs(task.abstract_params())
-    cut = F.partition(specs, config.decoupled.fragments)
-    if initial is not None and F.tensor_specs(initial) != specs:
+) -> tuple[list[list[fragments.TensorSpec]], list[list]]:
+    specs = fragments.tensor_specs(task.abstract_params())
+    partition = fragments.partition(specs, config.decoupled.fragments)
+    if initial is not None and fragments.tensor_specs(initial) != specs:
+        given = task.fingerprint(fragments.tensor_specs(initial))
         raise ValueError(
             f"SyncerServer(initial_params=...): the tree does not match task "
-            f"{task.identity()!r}'s (fingerprint {task.fingerprint(F.tensor_specs(initial))} "
+            f"{task.identity()!r}'s (fingerprint {given} "
             f"against {task.fingerprint(specs)})"
         )
     leaves = jax.tree.leaves(initial if initial is not None else task.init_params(config.seed))
     for i, x in enumerate(leaves):  # each device array goes once it is on the host
         leaves[i] = np.asarray(jax.device_get(x))
-    return cut, [F.gather(leaves, frag) for frag in cut]
+    return partition, [fragments.gather(leaves, frag) for frag in partition]
 
 
 def _taken(values: list[list]) -> Iterator[list]:
@@ -147,16 +152,16 @@ class SyncerServer:
                 "config.decoupled.syncer.tls_key: a TLS syncer needs its private key "
                 f"(tls_cert is {s.tls_cert!r})"
             )
-        builtin = task is None and not config.task  # then the cut and values are cached
+        builtin = task is None and not config.task  # then the partition and values are cached
         task = task or tasks.make_task(config)
         if config.task and not task.import_path:  # learners name it by config.task
             task = dataclasses.replace(task, import_path=config.task)
-        cut, values = initial_fragments(config, None if builtin else task, initial_params)
-        owned = [p for p in range(len(cut)) if p % s.shards == shard]
+        partition, values = initial_fragments(config, None if builtin else task, initial_params)
+        owned = [p for p in range(len(partition)) if p % s.shards == shard]
         self.shard = shard
         self.state = SyncerState(
             config,
-            cut,
+            partition,
             _taken(values),  # emptied fragment by fragment: each host copy goes once copied in
             owned=owned,
             is_mean_only=task.is_mean_only,
@@ -181,7 +186,7 @@ class SyncerServer:
         del values  # (empty now) version 0 is in the state; what initialising it left goes back
         runtime.trim_memory()
         self.fingerprint = task.fingerprint(
-            sorted((x for f in cut for x in f), key=lambda x: x.index)
+            sorted((x for f in partition for x in f), key=lambda x: x.index)
         )
         self.service = SyncerService(
             self.state,
