@@ -51,7 +51,7 @@ from decoupled_diloco.learner.fragment import FragmentState
 from decoupled_diloco.learner.inbox import Inbox
 from decoupled_diloco.learner.progress import Heartbeats, LinkCounters
 from decoupled_diloco.learner.push import Pusher
-from decoupled_diloco.learner.round_trip import Inbound, Trip
+from decoupled_diloco.learner.round_trip import Trip
 from decoupled_diloco.learner.schedule import Schedule
 
 Params = Any
@@ -160,7 +160,8 @@ class DecoupledSync:
             self.stop,
             # The parameters' device memory is the host's (CPU): `device_get` returns views.
             all(d.platform == "cpu" for s in self.shardings for d in s.device_set),
-            self._merge_paused,
+            # A pause's or the end's merges (the loop still holds those parameters: no donating).
+            lambda params, ready: self.arrivals.merge(params, ready, self.step),
             lambda trip: self.on_trip is not None and self.on_trip(trip),
         )
         self.arrivals = Arrivals(
@@ -331,13 +332,10 @@ class DecoupledSync:
                 self.bridge.merged(self.step, p, self.states[p].version, merged)
         return params
 
-    def _merge_paused(self, params: Params, ready: dict[int, Inbound]) -> Params:
-        """Merges applied at a pause or the end (`Pusher.apply_all`), not donating `params`.
-
-        The step loop still holds `params`: the next `apply_arrivals` returns what this makes.
-        """
-        self._initial = self._last = self.arrivals.merge(params, ready, self.step)
-        return self._initial
+    def _took(self, before: Params, after: Params) -> None:
+        """After a pause's or the end's merges: the next `apply_arrivals` returns `after`."""
+        if after is not before:
+            self._initial = self._last = after
 
     def step_done(
         self,
@@ -411,7 +409,8 @@ class DecoupledSync:
         t0 = time.perf_counter()
         if self._initial is not None:  # what the next `apply_arrivals` returns: the latest
             params = self._initial
-        self.pusher.flush(self._last if params is None else params, final=True)
+        params = self._last if params is None else params
+        self._took(params, self.pusher.flush(params, final=True))
         return time.perf_counter() - t0
 
     def pause(self) -> bool:
@@ -419,7 +418,9 @@ class DecoupledSync:
 
         The merges it applies are in what the next `apply_arrivals` returns.
         """
-        settled, _ = self.pusher.pause(self._initial if self._initial is not None else self._last)
+        params = self._initial if self._initial is not None else self._last
+        settled, after = self.pusher.pause(params)
+        self._took(params, after)
         return settled
 
     def close(self) -> None:

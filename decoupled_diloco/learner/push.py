@@ -360,7 +360,8 @@ class Pusher:
             # Restarting the count takes every process of an island at the same step: only an
             # island of one does it (else such a push's steps can reach the global model in
             # the next push of p; the ledger cannot see it).
-            state.covered = self.bridge.alone
+            if self.bridge.alone:
+                state.covered = True
             return
         if job.final:
             return
