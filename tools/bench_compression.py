@@ -17,20 +17,18 @@ its directory under runs/bench to rerun it). The section is rewritten after each
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import time
 from typing import Any
 
-from decoupled_diloco.local.runs import run_or_reuse
-from tools import bench_decoupled, bench_quality
+from tools.benchkit import ROOT, Section, tiny
+from tools.decoupled_variants import DECOUPLED, SETTING
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASE = {
     "mode": "decoupled",
-    **bench_decoupled.SETTING,
-    **bench_decoupled.DECOUPLED,
+    **SETTING,
+    **DECOUPLED,
     "outer.lr": 0.5,
     "outer.momentum": 0.0,
     "outer.nesterov": False,
@@ -119,12 +117,7 @@ RUNS = (  # in the order they run: the most informative first
 def run(name: str, overrides: dict, workroot: pathlib.Path) -> dict:
     """Runs one training process (or reuses its finished output); returns its summary."""
     tag = "compression_" + "".join(c if c.isalnum() else "_" for c in name)
-    args = {**BASE, **overrides}
-    workdir = workroot / tag
-    overrides = {**bench_quality.COMMON, **args}
-    summary = run_or_reuse(bench_quality.CONFIG, overrides, workdir, tag="bench_compression")
-    summary["command"] = summary["command"].replace(str(workroot), "runs/bench")
-    return summary
+    return tiny.run(tag, {**BASE, **overrides}, workroot)
 
 
 def throughput(num_params: int = 100_000_000, repeats: int = 2) -> list[tuple]:
@@ -185,7 +178,7 @@ def throughput(num_params: int = 100_000_000, repeats: int = 2) -> list[tuple]:
     return rows
 
 
-def render(results: dict[str, dict], rows: list, started: str, out: str) -> str:
+def render(results: dict[str, dict], rows: list, section: Section) -> str:
     """The Markdown section."""
 
     def reference(summary: dict) -> float:
@@ -203,10 +196,10 @@ def render(results: dict[str, dict], rows: list, started: str, out: str) -> str:
     lines = [
         "## Compressed outer gradients: quality, bytes, cost (issue 4)",
         "",
-        f"Command: `python -m tools.bench_compression --out={out or 'PATH'}` (written {started}; "
-        "finished runs are reused). Decoupled tiny_lm (0.5M params), M=2, H=50, 300 steps "
-        "per learner and outer SGD lr 0.5 unless noted; P=4 fragments, τ=2, quorum 1, learner "
-        "anchor, no outer momentum, RDA merge; 32 fixed validation batches. Blockwise schemes "
+        f"{section.header()} Finished runs are reused. Decoupled tiny_lm (0.5M params), M=2, "
+        "H=50, 300 steps per learner and outer SGD lr 0.5 unless noted; P=4 fragments, τ=2, "
+        "quorum 1, learner anchor, no outer momentum, RDA merge; 32 fixed validation batches. "
+        "Blockwise schemes "
         "use 256 elements per scale; topk keeps 2% (or 3%) of each 4096-entry chunk (k=82 or "
         "123) with int4 values (one scale per chunk): 0.41 (0.61) bits per parameter per push. "
         "Each run is compared with the uncompressed runs at the same H and steps with outer lr "
@@ -246,7 +239,7 @@ def render(results: dict[str, dict], rows: list, started: str, out: str) -> str:
         "loop's own sync work (without compression: the host copy of the fragment instead).",
         "",
     ]
-    lines += _targets(results, reference)
+    lines += _targets(results, reference, section)
     if rows:
         lines += [
             "### Encode + decode throughput, 100M float32 parameters (8 tensors of 12.5M)",
@@ -271,7 +264,7 @@ def _relative(loss: float, ref: float) -> str:
     return "n/a (no `none` run at this H)" if ref != ref else f"{100 * (loss / ref - 1):+.2f}%"
 
 
-def _targets(results: dict[str, dict], reference: Any) -> list[str]:
+def _targets(results: dict[str, dict], reference: Any, section: Section) -> list[str]:
     """The issue's targets, each with the numbers above it rests on."""
     out = ["Against the targets (issue 4):", ""]
     none = [s["final_eval_loss"] for n, s in results.items() if n in ("none", "none (repeat)")]
@@ -301,6 +294,14 @@ def _targets(results: dict[str, dict], reference: Any) -> list[str]:
     uplink = [results[n] for n in ("e3m0", "e3m0 (repeat)", "int4") if n in results]
     if len(uplink) > 1 and len(none) > 1:
         mean = sum(s["final_eval_loss"] for s in uplink) / len(uplink)
+        cost = 100 * (mean / (sum(none) / len(none)) - 1)
+        section.claim(
+            "4-bit uplink: final eval loss vs uncompressed", round(cost, 2), unit="%",
+            goal="within +0.5%", met=cost <= 0.5, headline=True,
+            baseline="Streaming DiLoCo FP4: 1.006× dp",
+            note=f"mean of {len(uplink)} e3m0/int4 runs against {len(none)} uncompressed",
+            section="Compressed outer gradients: quality, bytes, cost",
+        )  # fmt: skip
         out.append(
             f"- 4-bit uplink ({len(uplink)} runs: e3m0 twice, int4) against the "
             f"{len(none)} uncompressed runs, mean against mean: "
@@ -341,6 +342,12 @@ def _targets(results: dict[str, dict], reference: Any) -> list[str]:
     if four_bit:
         n, s = max(four_bit, key=lambda x: x[1]["dp_equivalent_bytes"] / x[1]["bytes_sent"])
         p = s["config"]["decoupled"]["fragments"]
+        factor = s["dp_equivalent_bytes"] / s["bytes_sent"]
+        section.claim(
+            "bytes exchanged: dp's / decoupled 4-bit's", round(factor), unit="×",
+            goal="≥ 400×", met=factor >= 400, headline=True, note=f"`{n}`",
+            section="Compressed outer gradients: quality, bytes, cost",
+        )  # fmt: skip
         out.append(
             f"- Bytes: `{n}` (H={s['inner_steps']}, P={p}) sent "
             f"{s['dp_equivalent_bytes'] / s['bytes_sent']:.0f}× fewer bytes than "
@@ -359,7 +366,7 @@ def main() -> None:
     parser.add_argument("--throughput_only", action="store_true")
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    section = Section("compression")
     chosen = [n for n in args.only.split(",") if n] or [n for n, _ in RUNS]
     results: dict[str, dict] = {}
     rows: list = []
@@ -367,18 +374,14 @@ def main() -> None:
         if name not in chosen or args.throughput_only:
             continue
         results[name] = run(name, overrides, workroot)
-        if args.out:
-            pathlib.Path(args.out).write_text(render(results, rows, started, args.out))
+        section.write(args.out, render(results, rows, section))
     if not args.skip_throughput:  # measured once, reused like the runs (delete to redo)
         cached = workroot / "compression_throughput.json"
         if not cached.exists():
             cached.parent.mkdir(parents=True, exist_ok=True)
             cached.write_text(json.dumps(throughput()))
         rows = json.loads(cached.read_text())
-    section = render(results, rows, started, args.out)
-    print(section)
-    if args.out:
-        pathlib.Path(args.out).write_text(section)
+    section.write(args.out, render(results, rows, section))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,20 @@ with one learner 3x slower, decoupled reaches dp's final eval loss sooner than d
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import pathlib
+import statistics
 
-from decoupled_diloco.local.runs import run_or_reuse
-from tools import bench_quality
+from tools.benchkit import ROOT, Section
+from tools.benchkit.tiny import (
+    LONG,
+    SHORT,
+    baseline,
+    run,
+    short_baselines,
+    time_cells,
+    time_header,
+    time_to,
+)
 from tools.decoupled_variants import (
     DECOUPLED,
     FIXED_FROM,
@@ -37,27 +45,6 @@ from tools.decoupled_variants import (
     SLOW_VARIANT,
     VARIANTS,
 )
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def run(name: str, args: dict, workroot: pathlib.Path) -> dict:
-    """Runs `python -m experiments.train` with `args` (or reuses its finished output)."""
-    workdir = workroot / name
-    overrides = {**bench_quality.COMMON, **args}
-    summary = run_or_reuse(bench_quality.CONFIG, overrides, workdir, tag="bench_decoupled")
-    summary["command"] = summary["command"].replace(str(workroot), "runs/bench")
-    summary["metrics"] = [json.loads(x) for x in (workdir / "metrics.jsonl").open()]
-    return summary
-
-
-def baseline(
-    name: str, mode: str, outer: tuple, workroot: pathlib.Path, setting: dict | None = None
-) -> dict:
-    summary = bench_quality.run(name, mode, setting or bench_quality.SHORT, outer, workroot)
-    workdir = workroot / name.replace(":", "_").replace(" ", "_")
-    summary["metrics"] = [json.loads(x) for x in (workdir / "metrics.jsonl").open()]
-    return summary
 
 
 def _repeat_ratios(decoupled: dict[str, dict], dp_loss: float) -> list[float]:
@@ -109,7 +96,7 @@ def _seeds(workroot: pathlib.Path, dp: dict, diloco: dict, decoupled: dict[str, 
     ]
     runs = []
     for seed in SEEDS:
-        setting = {**bench_quality.SHORT, "seed": seed}
+        setting = {**SHORT, "seed": seed}
         s_dp = baseline(f"short_seed{seed}:dp", "dp", (0.7, 0.9, True), workroot, setting)
         s_diloco = baseline(
             f"short_seed{seed}:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, setting
@@ -128,39 +115,6 @@ def _seeds(workroot: pathlib.Path, dp: dict, diloco: dict, decoupled: dict[str, 
     return {"lines": [*lines, ""], "runs": runs}
 
 
-TIME_FACTORS = (1.0, 1.05, 1.1, 1.2)  # thresholds of the time-to-loss columns, × dp's loss
-
-
-def short_baselines(workroot: pathlib.Path) -> tuple[dict, dict]:
-    """The foundation's M=2 dp and diloco runs (`tools.bench_quality`'s commands, reused there)."""
-    dp = baseline("short:dp", "dp", (0.7, 0.9, True), workroot)
-    diloco = baseline("short:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot)
-    return dp, diloco
-
-
-def time_header(dp_loss: float) -> str:
-    """The time-to-loss column titles (see `time_cells`)."""
-    return " | ".join(f"to ≤ {f:.2f}×dp ({f * dp_loss:.3f})" for f in TIME_FACTORS)
-
-
-def time_cells(summary: dict, dp_loss: float) -> str:
-    """Table cells: seconds until the eval loss first reaches each `TIME_FACTORS` × dp_loss."""
-    times = [time_to(summary, f * dp_loss) for f in TIME_FACTORS]
-    return " | ".join("not reached" if t is None else f"{t:.0f}" for t in times)
-
-
-def time_to(summary: dict, target: float) -> float | None:
-    """Training seconds until the first eval loss ≤ target (from the first training step)."""
-    lines = summary["metrics"]
-    started = [x["wall_s"] for x in lines if x.get("step", 0) > 0]
-    t0 = started[0] if summary["mode"] == "decoupled" and started else 0.0
-    for x in lines:
-        if x.get("eval_loss") is not None and x["eval_loss"] <= target:
-            return x["wall_s"] - t0
-    final = summary["final_eval_loss"]
-    return summary["train_wall_s"] if final is not None and final <= target else None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="")
@@ -169,7 +123,7 @@ def main() -> None:
     parser.add_argument("--skip_long", action="store_true", help="skip the M=4 2,000-step runs")
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    section = Section("decoupled")
     dp, diloco = short_baselines(workroot)
     rows, decoupled = [], {}
     fixed = False
@@ -190,8 +144,8 @@ def main() -> None:
     lines = [
         "## Decoupled mode: quality, learner stall, heterogeneity (issue 3)",
         "",
-        f"Command: `python -m tools.bench_decoupled --out={args.out or 'PATH'}` (written "
-        f"{started}; finished runs are reused). tiny_lm, M=2, H=50, 300 steps per learner, "
+        f"{section.header()} Finished runs are reused. tiny_lm, M=2, H=50, 300 steps per "
+        "learner, "
         "default corpus, 32 fixed "
         "validation batches; decoupled: P=4 fragments, τ=2, quorum 1 unless noted, RDA (mean for "
         "embeddings), "
@@ -318,26 +272,26 @@ def main() -> None:
     lines.append("")
     long_runs: list[dict] = []
     if not args.skip_long:
-        long_dp = baseline("long:dp", "dp", (0.7, 0.9, True), workroot, bench_quality.LONG)
+        long_dp = baseline("long:dp", "dp", (0.7, 0.9, True), workroot, LONG)
         long_diloco = baseline(
-            "long:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, bench_quality.LONG
+            "long:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, LONG
         )
         long_dec = run(
             "long_decoupled_learner_anchor_sgd_0.25",
-            {"mode": "decoupled", **bench_quality.LONG, **LONG_DECOUPLED},
+            {"mode": "decoupled", **LONG, **LONG_DECOUPLED},
             workroot,
         )
         long_gather = run(
-            "long_decoupled_gather", {"mode": "decoupled", **bench_quality.LONG, **GATHER}, workroot
+            "long_decoupled_gather", {"mode": "decoupled", **LONG, **GATHER}, workroot
         )
         long_gather_share = run(
             "long_decoupled_gather_share",
-            {"mode": "decoupled", **bench_quality.LONG, **GATHER, **SHARE},
+            {"mode": "decoupled", **LONG, **GATHER, **SHARE},
             workroot,
         )
         long_repeat = run(  # the same command again: decoupled runs are not bit-repeatable
             "long_decoupled_gather_share_repeat",
-            {"mode": "decoupled", **bench_quality.LONG, **GATHER, **SHARE},
+            {"mode": "decoupled", **LONG, **GATHER, **SHARE},
             workroot,
         )
         # After the return-trip fix (commit "Syncer: ξ_sync counts only the return trip ..."):
@@ -345,7 +299,7 @@ def main() -> None:
         long_fixed = [
             run(
                 f"long_decoupled_gather_share_fix{suffix}",
-                {"mode": "decoupled", **bench_quality.LONG, **GATHER, **SHARE},
+                {"mode": "decoupled", **LONG, **GATHER, **SHARE},
                 workroot,
             )
             for suffix in ("", "_repeat")
@@ -405,10 +359,51 @@ def main() -> None:
         *long_runs,
     ):
         lines.append(f"- `{s['command']}`")
-    section = "\n".join(lines) + "\n"
-    print(section)
-    if args.out:
-        pathlib.Path(args.out).write_text(section)
+    _claims(section, dp, decoupled, slow_runs, long_runs)
+    section.write(args.out, "\n".join(lines) + "\n")
+
+
+def _claims(
+    section: Section, dp: dict, decoupled: dict[str, dict], slow: list[dict], long: list[dict]
+) -> None:
+    """Decoupled against dp at M=2 and M=4, the learners' stall, and the 3x-slower learner."""
+    ratios = _repeat_ratios(decoupled, dp["final_eval_loss"])
+    if ratios:
+        mean = statistics.mean(ratios)
+        section.claim(
+            "decoupled / dp final eval loss, tiny_lm M=2, 300 steps",
+            round(mean, 4), unit="×", goal="≤ 1.08", met=mean <= 1.08, headline=True,
+            note=f"mean of {len(ratios)} runs of the gather + share command",
+            section="Decoupled mode: quality, learner stall, heterogeneity",
+        )  # fmt: skip
+    stall = max(x["stall_fraction"] for s in decoupled.values() for x in s["learners"])
+    section.claim(
+        "learner stall (max over the M=2 decoupled runs)", round(100 * stall, 3), unit="%",
+        goal="≤ 1%", met=stall <= 0.01, headline=True,
+        section="Decoupled mode: quality, learner stall, heterogeneity",
+    )  # fmt: skip
+    if long:
+        long_dp, long_diloco, *_, fixed, again = long
+        ratio = statistics.mean(s["final_eval_loss"] for s in (fixed, again))
+        ratio /= long_diloco["final_eval_loss"]
+        section.claim(
+            "decoupled / diloco final eval loss, tiny_lm M=4, 2,000 steps", round(ratio, 4),
+            unit="×", goal="≤ 1.01", met=ratio <= 1.01,
+            note="mean of the two gather + share runs after the return-trip fix",
+            section="M=4, H=50, 2,000 steps per learner (16.4M tokens per run)",
+        )  # fmt: skip
+    if slow:
+        slow_diloco, _, slow_gather = slow
+        t_dec = time_to(slow_gather, dp["final_eval_loss"])
+        t_diloco = time_to(slow_diloco, dp["final_eval_loss"])
+        section.claim(
+            "one learner 3x slower: seconds to dp's loss, decoupled",
+            "not reached" if t_dec is None else round(t_dec),
+            unit="s", baseline=f"diloco {'not reached' if t_diloco is None else round(t_diloco)}",
+            goal="sooner than diloco",
+            met=t_dec is not None and (t_diloco is None or t_dec < t_diloco),
+            section="One learner 3x slower",
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

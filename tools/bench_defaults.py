@@ -16,14 +16,11 @@ steps per learner, 32 fixed validation batches, outer SGD lr 1 without momentum 
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 
-from tools import bench_quality
-from tools.bench_decoupled import run, time_to
-from tools.run_benchmarks import machine_description
+from tools.benchkit import ROOT, Section
+from tools.benchkit.tiny import OUTER, baseline, run, time_to
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEEDS = (0, 1)
 SLOW = {"slow_learner": 1, "slowdown": 3.0, "eval.every": 50, "train_steps": 600}
 
@@ -39,12 +36,13 @@ def main() -> None:
     parser.add_argument("--skip_dylu", action="store_true", help="skip the 3x-slower runs")
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
-    rows, commands = [], []
+    section = Section("defaults")
+    rows, commands, ratios = [], [], []
     for seed in SEEDS:
         diloco = run(f"defaults_diloco_seed{seed}", {"mode": "diloco", "seed": seed}, workroot)
         dec = run(f"defaults_decoupled_seed{seed}", {"mode": "decoupled", "seed": seed}, workroot)
         ratio = dec["final_eval_loss"] / diloco["final_eval_loss"]
+        ratios.append(ratio)
         rows.append(
             f"| {seed} | {diloco['final_eval_loss']:.4f} | {dec['final_eval_loss']:.4f} | "
             f"**{ratio:.4f}** | {dec['outer_syncs']} | {100 * _stall(dec):.3f}% | "
@@ -54,9 +52,7 @@ def main() -> None:
     lines = [
         "## Decoupled defaults: `tiny_lm.py --config.mode=decoupled` against `diloco`",
         "",
-        f"Command: `python -m tools.bench_defaults --out={args.out or 'PATH'}"
-        f"{' --skip_dylu' if args.skip_dylu else ''}` (written {started}; "
-        f"{machine_description()}; finished "
+        f"{section.header()} Finished "
         "runs of the same config are reused). tiny_lm (0.5M parameters), M=2, H=50, 300 steps "
         "per learner, 32 fixed validation batches, the config's outer SGD lr 1 without momentum; "
         "no `decoupled.*` flag set, so the run gets `DecoupledConfig`'s defaults (gather + share, "
@@ -71,7 +67,7 @@ def main() -> None:
         "",
     ]
     if not args.skip_dylu:
-        dp = bench_quality.run("short:dp", "dp", bench_quality.SHORT, (0.7, 0.9, True), workroot)
+        dp = baseline("short:dp", "dp", OUTER[0], workroot)
         target = dp["final_eval_loss"]
         slow_rows = []
         for label, extra in (
@@ -102,10 +98,13 @@ def main() -> None:
             "",
         ]
     lines += ["Commands:", "", *(f"- `{c}`" for c in commands), ""]
-    text = "\n".join(lines)
-    if args.out:
-        pathlib.Path(args.out).write_text(text)
-    print(text)
+    worst = max(ratios)
+    section.claim(
+        "decoupled with its defaults / diloco final eval loss, M=2", round(worst, 4), unit="×",
+        note=f"the worse of seeds {list(SEEDS)}",
+        section="Decoupled defaults: `tiny_lm.py --config.mode=decoupled` against `diloco`",
+    )  # fmt: skip
+    section.write(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -20,15 +20,13 @@ its runs).
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 import statistics
 
-from tools import bench_quality
-from tools.bench_decoupled import baseline, run, short_baselines, time_cells, time_header
+from tools.benchkit import ROOT, Section
+from tools.benchkit.tiny import LONG, baseline, run, short_baselines, time_cells, time_header
 from tools.decoupled_variants import DECOUPLED, GATHER, SETTING, SHARE, SLOW, SLOW_STEPS
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 REPEATS = 4
 LONG_REPEATS = 2
 # gather + share (tiny_lm_decoupled.py's settings before apply_on_arrival): a merge is applied
@@ -73,7 +71,7 @@ def _row(name: str, s: dict, base_loss: float) -> str:
 
 def _long(workroot: pathlib.Path, runs: list[dict]) -> list[str]:
     """M=4 at the foundation's 2,000-step setting against its diloco run (appended to `runs`)."""
-    long = bench_quality.LONG
+    long = LONG
     long_diloco = baseline("long:diloco lr1.0-m0.0", "diloco", (1.0, 0.0, False), workroot, long)
     d_loss = long_diloco["final_eval_loss"]
     lines = [
@@ -139,18 +137,15 @@ def main() -> None:
     parser.add_argument("--skip_slow", action="store_true", help="skip the 3x-slower-learner runs")
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    section = Section("merge_lag")
     dp, diloco = short_baselines(workroot)
     dp_loss = dp["final_eval_loss"]
     header = "| run | final eval loss | ratio to dp | merges | lag mean / max (steps) | "
     lines = [
         "## Merge lag: when a learner applies a merged fragment (issue 3)",
         "",
-        "Command: `python -m tools.bench_merge_lag"
-        f"{' --skip_long' if args.skip_long else ''}"
-        f"{' --skip_slow' if args.skip_slow else ''} --out={args.out or 'PATH'}` (written "
-        f"{started}; finished runs are reused). tiny_lm, default corpus, 32 fixed validation "
-        "batches; decoupled: gather + share (P=4, quorum 1, τ=10, γ=1, grace ≤ 10 s, "
+        f"{section.header()} Finished runs are reused. tiny_lm, default corpus, 32 fixed "
+        "validation batches; decoupled: gather + share (P=4, quorum 1, τ=10, γ=1, grace ≤ 10 s, "
         "keep_overlap, share, learner anchor, RDA, outer SGD lr 1). Lag: inner steps from a "
         "push to the step boundary where the learner applies the merge answering it, over "
         "every applied merge of every learner. Every run here keeps at most two inner steps "
@@ -185,10 +180,7 @@ def main() -> None:
         lines += _slow(workroot, runs, dp_loss)
     lines += ["Commands of each run:", ""]
     lines += [f"- `{s['command']}`" for s in runs]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        pathlib.Path(args.out).write_text(text)
+    section.write(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

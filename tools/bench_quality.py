@@ -11,41 +11,20 @@ what it measured.
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 import time
 
-from decoupled_diloco.local.runs import run_or_reuse
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = "experiments/configs/tiny_lm.py"
-COMMON = {"eval.batches": 32, "eval.every": 500, "checkpoint.every": 0, "log_every": 100}
-SHORT = {"num_learners": 2, "inner_steps": 50, "train_steps": 300}
-LONG = {"num_learners": 4, "inner_steps": 50, "train_steps": 2000}
-# Outer optimizer settings (lr, momentum, nesterov) swept for `diloco`: the DiLoCo default
-# (0.7, 0.9, Nesterov), plain averaging (FedAvg: lr 1, no momentum) and a lighter momentum.
-OUTER = ((0.7, 0.9, True), (1.0, 0.0, False), (0.7, 0.5, True))
+from tools.benchkit import ROOT, Section
+from tools.benchkit.tiny import LONG, OUTER, SHORT, baseline
 
 
-def run(name: str, mode: str, setting: dict, outer_cfg: tuple, workroot: pathlib.Path) -> dict:
-    """Runs one training process (or reuses its finished output) and returns its summary."""
-    workdir = workroot / name.replace(":", "_").replace(" ", "_")
-    lr, momentum, nesterov = outer_cfg
-    overrides = {**COMMON, "mode": mode, "outer.lr": lr, "outer.momentum": momentum}
-    overrides |= {"outer.nesterov": nesterov, **setting}
-    # A finished run of the same config is reused; delete its dir to rerun.
-    summary = run_or_reuse(CONFIG, overrides, workdir, tag="bench_quality")
-    summary["command"] = summary["command"].replace(str(workroot), "runs/bench")
-    return summary
-
-
-def render(results: dict[str, dict], started: str) -> str:
+def render(results: dict[str, dict], section: Section) -> str:
     """The Markdown section for the runs done so far."""
     lines = [
         "## Quality: `diloco` vs `dp` at equal tokens (foundation issue)",
         "",
-        f"Command: `python -m tools.bench_quality` (rendered {started}; runs whose output "
-        "already existed are reused, each listed with its own command below). tiny_lm on the "
+        f"{section.header()} Runs whose output already existed are reused, each listed with "
+        "its own command below. tiny_lm on the "
         "default corpus (Python stdlib), seed 0, AdamW 3e-3 with warmup and cosine decay; the "
         "outer optimizer of each `diloco` row is given as lr / momentum / nesterov. Final eval "
         "loss is over 32 fixed validation batches of 16 x 128 tokens (65,536 tokens), the same "
@@ -72,19 +51,40 @@ def render(results: dict[str, dict], started: str) -> str:
     return "\n".join(lines)
 
 
+def _claims(section: Section, results: dict[str, dict]) -> None:
+    """The ratio to dp of the best diloco setting, at M=2 (300 steps) and M=4 (2,000)."""
+    for length, goal, m in (("short", 1.08, 2), ("long", 1.08, 4)):
+        dp = results.get(f"{length}:dp")
+        runs = [s for n, s in results.items() if n.startswith(f"{length}:diloco")]
+        if not dp or not runs:
+            continue
+        ratio = min(s["final_eval_loss"] for s in runs) / dp["final_eval_loss"]
+        steps = runs[0]["train_steps"]
+        section.claim(
+            f"diloco / dp final eval loss, tiny_lm M={m}, {steps} steps",
+            round(ratio, 4),
+            unit="×",
+            baseline="DiLoCo paper: ≈ 1.0 at equal tokens",
+            goal=f"≤ {goal}",
+            met=ratio <= goal,
+            headline=True,
+            section="Quality: `diloco` vs `dp` at equal tokens",
+        )
+
+
 def _label(outer_cfg: tuple) -> str:
     lr, momentum, nesterov = outer_cfg
     return f"lr{lr}-m{momentum}" + ("-nesterov" if nesterov else "")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/quality.md")
     parser.add_argument("--short_only", action="store_true", help="skip the 2,000-step runs")
     parser.add_argument("--workroot", default=str(ROOT / "runs" / "bench"))
     args = parser.parse_args()
-    out, workroot = pathlib.Path(args.out), pathlib.Path(args.workroot)
-    started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    workroot = pathlib.Path(args.workroot)
+    section = Section("quality")
     plan = [("short:dp", "dp", SHORT, OUTER[0])]
     plan += [(f"short:diloco {_label(o)}", "diloco", SHORT, o) for o in OUTER]
     if not args.short_only:
@@ -94,10 +94,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
     for name, mode, setting, outer_cfg in plan:
-        results[name] = run(name, mode, setting, outer_cfg, workroot)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render(results, started))
-    print(render(results, started))
+        results[name] = baseline(name, mode, outer_cfg, workroot, setting)
+        _claims(section, results)
+        section.write(args.out, render(results, section))
     print(f"[bench_quality] total {time.perf_counter() - t0:.0f}s")
 
 

@@ -83,19 +83,7 @@ def _start_syncers(
         name = "syncer" if shards == 1 else f"syncer_{s}"
         command += metrics_flags(workdir, name, config, metrics_urls)
         supervisor.add(name, shaping.syncer(command))
-    return [_wait_for_port(f, procs, timeout_s=180) for f in port_files], metrics_urls
-
-
-def _wait_for_port(port_file: pathlib.Path, procs: Processes, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if port_file.exists():
-            return int(port_file.read_text())
-        if procs.failed():
-            name = sorted(procs.failed())[0]
-            raise RuntimeError(f"{name} exited early:\n{procs.tail(name)}")
-        time.sleep(0.05)
-    raise TimeoutError(f"the syncer did not start within {timeout_s:.0f}s")
+    return [procs.wait_for_port(f, timeout_s=180) for f in port_files], metrics_urls
 
 
 def _python() -> str:

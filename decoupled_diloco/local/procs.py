@@ -77,6 +77,23 @@ class Processes:
             else ""
         )
 
+    def wait_for_port(self, port_file: pathlib.Path, timeout_s: float) -> int:
+        """The port a child writes to `port_file` once serving (the syncer's `--port_file`).
+
+        Raises:
+          RuntimeError: a child exited with an error first (its log's tail is in the message).
+          TimeoutError: no port within `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if port_file.exists() and port_file.read_text().strip():
+                return int(port_file.read_text())
+            if self.failed():
+                name = sorted(self.failed())[0]
+                raise RuntimeError(f"{name} exited early:\n{self.tail(name)}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no port in {port_file} within {timeout_s:.0f}s")
+
     def reap(self) -> None:
         """Terminates and reaps every child."""
         reap(list(self.procs.values()))

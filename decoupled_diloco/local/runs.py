@@ -14,6 +14,7 @@ import os
 import pathlib
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -77,11 +78,15 @@ def run_or_reuse(
     rerun: bool = False,
     quiet: bool = True,
     tag: str = "runs",
-) -> dict[str, Any]:
+    cap_s: float | None = None,
+    env: Mapping[str, str] = (),
+) -> dict[str, Any] | None:
     """Trains `config_file` with `overrides` in `workdir`, unless it already holds that run.
 
     A workdir holding anything else (another config's run, or a run that was stopped) is
-    emptied first: the new run resumes no checkpoint of it.
+    emptied first: the new run resumes no checkpoint of it. With `cap_s`, a run still going
+    after that many seconds is killed with its whole process group (a fault benchmark's
+    window: what it did so far is in its timeline) and None is returned.
 
     Args:
       config_file: a config file (`get_config()`), relative to the repository or absolute.
@@ -90,9 +95,12 @@ def run_or_reuse(
       rerun: train even where a finished run of the same config is there.
       quiet: send the run's output to `workdir/train.log` instead of this terminal.
       tag: the prefix of the progress line printed for each run.
+      cap_s: stop the run after this many seconds (None: let it finish).
+      env: environment variables added to the run's.
 
     Returns:
-      The run's summary, with the command that produced it (`command`).
+      The run's summary, with the command that produced it (`command`); None for a run
+      stopped at `cap_s`.
 
     Raises:
       subprocess.CalledProcessError: the run failed (its output is in `workdir/train.log`).
@@ -106,13 +114,19 @@ def run_or_reuse(
         # A stopped or older run's checkpoints would be resumed: a cell starts from nothing.
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
+        child_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | dict(env)
+        child_env.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
         with (workdir / "train.log").open("w") as log:
             out = log if quiet else None
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=out)
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=child_env, stdout=out, stderr=out, start_new_session=True
+            )
             try:
-                code = proc.wait()
+                code = proc.wait(timeout=cap_s)
+            except subprocess.TimeoutExpired:  # its window is over: the run and its children
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return None
             except BaseException:  # stopped (a signal made SystemExit, Ctrl+C): stop it too
                 _stop(proc)
                 raise
