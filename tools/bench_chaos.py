@@ -21,146 +21,30 @@ learners' timelines (`decoupled_diloco.obs.timeline`, definitions in docs/DESIGN
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
-import json
 import os
 import pathlib
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import time
 from concurrent import futures
 from typing import Any
 
-from decoupled_diloco.local import runs
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.obs.timeline_plot import plot_goodput, plot_timeline
-from tools.run_benchmarks import machine_description
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-# The decoupled settings these benchmarks were measured with (tiny_lm_decoupled's before
-# 2026-11-30: τ=2, merges of whatever arrived, outer lr 1/M), pinned to stay reproducible; the
-# defaults have since moved to "gather + share" (docs/concepts.md). As `--config.KEY` overrides.
-BEFORE_GATHER = {
-    "outer.lr": 0.5,
-    "decoupled.overlap_steps": 2,
-    "decoupled.keep_overlap": False,
-    "decoupled.grace_safety": 0.5,
-    "decoupled.syncer.max_grace_s": 2.0,
-    "decoupled.partial_merge": "mean",
-    "decoupled.apply_on_arrival": False,
-}
-# Decoupled runs under faults keep one warm standby learner (docs/chaos.md, "Warm standby"):
-# a restart activates it instead of starting a new process.
-STANDBY = {"supervisor.standby": 1}
-
-
-def _overrides(values: dict[str, Any]) -> list[str]:
-    return [f"--config.{k}={v}" for k, v in values.items()]
+from tools.benchkit import RESULTS, ROOT, Section, train
+from tools.benchkit.runs import FAST_CACHE, metrics
+from tools.decoupled_variants import STANDBY, TINY_DECOUPLED_BEFORE_GATHER
 
 
 def run(
     workdir: pathlib.Path, config: str, overrides: dict[str, Any], cap_s: float | None = None
 ) -> dict[str, Any]:
-    """One training run (fresh workdir); stopped after `cap_s` seconds if given.
-
-    Returns the summary, or for a run stopped at its cap the timeline's accounting so far. A
-    finished run with the same arguments is reused (delete its directory to rerun it).
-    """
-    key = _key(config, overrides, cap_s)
-    done = workdir / "bench_result.json"
-    args = workdir / "bench_args.json"
-    if done.exists() and args.exists() and _key(**json.loads(args.read_text())) == key:
-        print(f"[bench_chaos] reusing {workdir}", flush=True)
-        return json.loads(done.read_text())
-    result = _run(workdir, config, overrides, cap_s)
-    args.write_text(json.dumps({"config": config, "overrides": overrides, "cap_s": cap_s}))
-    done.write_text(json.dumps(result))
-    return result
-
-
-def _key(config: str, overrides: dict[str, Any], cap_s: float | None) -> str:
-    """What makes two runs the same: the config they resolve to, and the cap.
-
-    The whole config (`local.runs.resolve`, defaults included); a schedule by its file name
-    (the root may differ).
-    """
-    resolved = dataclasses.asdict(runs.resolve(config, overrides))
-    if resolved["chaos"]:
-        resolved["chaos"] = pathlib.Path(resolved["chaos"]).name
-    return json.dumps({"config": resolved, "cap_s": cap_s}, sort_keys=True)
-
-
-def _run(
-    workdir: pathlib.Path, config: str, overrides: dict[str, Any], cap_s: float | None
-) -> dict[str, Any]:
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.train",
-        f"--config={config}",
-        f"--workdir={workdir}",
-        *_overrides(overrides),
-    ]
-    print(f"[bench_chaos] {' '.join(cmd[1:])}", flush=True)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    t0 = time.monotonic()
-    with (workdir / "bench.log").open("w") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            proc.wait(timeout=cap_s)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    wall = time.monotonic() - t0
-    if (workdir / "summary.json").exists() and proc.returncode == 0:
-        summary = json.loads((workdir / "summary.json").read_text())
-        summary["capped"] = False
-        return summary
-    if cap_s is None:
-        raise RuntimeError(f"{workdir} failed:\n{(workdir / 'bench.log').read_text()[-3000:]}")
-    # Stopped at its cap: account for the window it ran.
-    result = timeline_lib.analyze(timeline_lib.load(workdir / "timeline"), t_end=time.time())
-    events = _events(workdir)
-    steps = [timeline_lib.current_step(p) for p in (workdir / "timeline").glob("*.jsonl")] or [-1]
-    return {
-        "capped": True,
-        "wall_s": wall,
-        "goodput": result.goodput,
-        "uptime": result.uptime,
-        "lost_steps": result.lost_steps,
-        "failures_injected": sum(e.get("event") == "fault" for e in events),
-        "recoveries": sum(e.get("event") == "recovery" for e in events),
-        "steps_done": max(steps),
-        "final_eval_loss": None,
-        "timeline": result.as_dict(),
-    }
+    """One run under faults (`benchkit.train`, restarts compiling from the persistent cache)."""
+    return train(workdir, config, overrides, cap_s, tag="bench_chaos", env=FAST_CACHE)
 
 
 def _events(workdir: pathlib.Path) -> list[dict[str, Any]]:
-    out = []
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "event" in event:
-            out.append(event)
-    return out
+    """The run's fault, recovery and membership events."""
+    return [r for r in metrics(workdir) if "event" in r]
 
 
 def steady_goodput(workdir: pathlib.Path) -> float:
@@ -210,7 +94,7 @@ def _fmt(x: Any, spec: str = ".3f") -> str:
 # Scenario 1 ----------------------------------------------------------------------------------
 
 
-def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
+def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path, section: Section) -> list[str]:
     """4 learners under one seeded failure model: the three modes side by side."""
     schedule = _schedule(root / "mtbf.yaml", args.mtbf, args.repair, args.horizon, args.seed)
     common = {"num_learners": 4, "train_steps": args.steps, "checkpoint.every": args.ckpt}
@@ -218,7 +102,7 @@ def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
     decoupled_cfg = "experiments/configs/tiny_lm_decoupled.py"
     # The settings these runs were measured with; quorum 1 merges of about one learner each,
     # so an outer step of 1/M sums to about a plain average per round.
-    decoupled = {**BEFORE_GATHER, **common, "outer.lr": 1 / common["num_learners"]}
+    decoupled = {**TINY_DECOUPLED_BEFORE_GATHER, **common, "outer.lr": 1 / common["num_learners"]}
     chaos = run(
         root / "decoupled_chaos", decoupled_cfg, {**decoupled, **STANDBY, "chaos": schedule}
     )
@@ -246,6 +130,25 @@ def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
         except Exception as error:  # noqa: BLE001 - a picture is optional
             print(f"[bench_chaos] no timeline picture for {name}: {error}", flush=True)
     loss_ratio = chaos["final_eval_loss"] / free["final_eval_loss"]
+    title = f"1. Four learners, each failing every {args.mtbf:.0f} s on average"
+    section.claim(
+        f"decoupled goodput, M=4, MTBF {args.mtbf:.0f} s per learner",
+        round(chaos["goodput"], 3),
+        baseline=f"dp {_fmt(sync['dp']['goodput'])}, diloco "
+        f"{_fmt(sync['diloco']['goodput'])} (capped)",
+        goal="≥ 0.85",
+        met=chaos["goodput"] >= 0.85,
+        headline=True,
+        section=title,
+    )
+    section.claim(
+        "decoupled final eval loss, failures / failure-free",
+        round(loss_ratio, 4),
+        unit="×",
+        goal="≤ 1.03",
+        met=loss_ratio <= 1.03,
+        section=title,
+    )
     lines = [
         "### 1. Four learners, each failing every "
         f"{args.mtbf:.0f} s on average (repair {args.repair:.0f} s)",
@@ -333,7 +236,7 @@ def _longest_gap(workdir: pathlib.Path, learner: int, t_from: float, t_to: float
     return max((b - a for a, b in zip(starts, starts[1:], strict=False)), default=float("nan"))
 
 
-def torchft_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
+def torchft_scenario(args: argparse.Namespace, root: pathlib.Path, section: Section) -> list[str]:
     """2 learners, H=10, 300 steps; learner 1 killed at step 120, restarted 10 s later."""
     common = {
         "num_learners": 2,
@@ -342,7 +245,7 @@ def torchft_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
         "checkpoint.every": args.ft_ckpt,
         "eval.every": 0,
         "log_every": 50,
-        **BEFORE_GATHER,  # the settings these runs were measured with
+        **TINY_DECOUPLED_BEFORE_GATHER,  # the settings these runs were measured with
     }
     cfg = "experiments/configs/tiny_lm_decoupled.py"
     free = run(root / "ft_free", cfg, common)
@@ -385,6 +288,23 @@ def torchft_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
             f"{to_start:.1f} | {to_step:.1f} | {s['goodput']:.3f} | {s['lost_steps']} | "
             f"{s['final_eval_loss']:.4f} |"
         )
+    section.claim(
+        "torchft scenario restart → first step done, median",
+        round(statistics.median(firsts), 1),
+        unit="s",
+        goal="≤ 4 s",
+        met=statistics.median(firsts) <= 4.0,
+        section="2. torchft scenario",
+    )
+    section.claim(
+        f"torchft scenario goodput, median of {args.kills} runs",
+        round(statistics.median(goodputs), 3),
+        baseline="torchft 0.73",
+        goal="≥ 0.85",
+        met=statistics.median(goodputs) >= 0.85,
+        headline=True,
+        section="2. torchft scenario",
+    )
     return [
         "### 2. torchft scenario: 2 learners, H=10, 300 steps, kill -9 at 40%, restart after 10 s",
         "",
@@ -430,22 +350,21 @@ def main() -> None:
     args = parser.parse_args()
     root = pathlib.Path(args.workroot)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    section = Section("chaos")
     load_before = os.getloadavg()
     body: list[str] = []
     for name, scenario in (("mtbf", mtbf_scenario), ("torchft", torchft_scenario)):
         if name in args.only:
-            body += scenario(args, root)
-            _write(args, started, load_before, body)  # each scenario's section as it finishes
+            body += scenario(args, root, section)
+            _write(args.out, section, load_before, body)  # each scenario's part as it ends
 
 
-def _write(args: argparse.Namespace, started: str, load_before: tuple, body: list[str]) -> None:
+def _write(out: str, section: Section, load_before: tuple, body: list[str]) -> None:
     load_after = os.getloadavg()
-    command = "python -m tools.bench_chaos " + " ".join(sys.argv[1:])
     lines = [
         "## Chaos: goodput and uptime under failures, all modes (issue 5)",
         "",
-        f"Command: `{command}` (written {started}; machine: {machine_description()}). "
+        f"{section.header()} "
         f"Load average {load_before[0]:.1f} at the start and {load_after[0]:.1f} at the end on "
         f"{os.cpu_count()} cores (the runs' own processes count: a decoupled run is 4 learners, "
         "a syncer and a spare; anything else running makes restarts slower and goodput lower). "
@@ -453,10 +372,7 @@ def _write(args: argparse.Namespace, started: str, load_before: tuple, body: lis
         "",
         *body,
     ]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        pathlib.Path(args.out).write_text(text)
-    print(text, flush=True)
+    section.write(out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

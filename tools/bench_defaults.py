@@ -100,10 +100,12 @@ def main() -> None:
     lines += ["Commands:", "", *(f"- `{c}`" for c in commands), ""]
     worst = max(ratios)
     section.claim(
-        "decoupled with its defaults / diloco final eval loss, M=2", round(worst, 4), unit="×",
+        "decoupled with its defaults / diloco final eval loss, M=2",
+        round(worst, 4),
+        unit="×",
         note=f"the worse of seeds {list(SEEDS)}",
         section="Decoupled defaults: `tiny_lm.py --config.mode=decoupled` against `diloco`",
-    )  # fmt: skip
+    )
     section.write(args.out, "\n".join(lines))
 
 

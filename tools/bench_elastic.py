@@ -21,16 +21,13 @@ real `kill -9`s.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import sys
 from typing import Any
 
-from tools.bench_chaos import run
-from tools.run_benchmarks import machine_description
+from tools.benchkit import ROOT, Section, train
+from tools.benchkit.runs import FAST_CACHE
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = "experiments/configs/tiny_lm_decoupled.py"
 
 
@@ -44,6 +41,11 @@ def _schedule(path: pathlib.Path, join_at: int, leave_at: int) -> str:
     return str(path)
 
 
+def run(workdir: pathlib.Path, config: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """One run under membership changes or faults (`benchkit.train`)."""
+    return train(workdir, config, overrides, tag="bench_elastic", env=FAST_CACHE)
+
+
 def _ledger(s: dict[str, Any]) -> str:
     d = s.get("data_ledger")
     if not d:
@@ -54,7 +56,9 @@ def _ledger(s: dict[str, Any]) -> str:
     )
 
 
-def membership_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
+def membership_scenario(
+    args: argparse.Namespace, root: pathlib.Path, section: Section
+) -> list[str]:
     """Fixed 4 vs 4 -> 6 -> 3 at the same token budget, for each seed."""
     from decoupled_diloco import config as config_lib
     from decoupled_diloco.local import runs
@@ -81,6 +85,15 @@ def membership_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[st
         events = [f"{e['event']} {e['learner']}" for e in elastic.get("membership", [])]
         notes.append(f"seed {seed}: steps per learner {counts}; membership {', '.join(events)}")
     shards = config_lib.lease_shards(runs.resolve(CONFIG, common))
+    mean = sum(ratios) / len(ratios)
+    section.claim(
+        f"elastic 4->6->3 / fixed 4 final eval loss, mean of {len(ratios)} seeds",
+        round(mean, 4),
+        unit="×",
+        goal="≤ 1.015",
+        met=mean <= 1.015,
+        section="1. Membership 4 -> 6 -> 3 vs a fixed 4",
+    )
     lines = [
         f"### 1. Membership 4 -> 6 -> 3 vs a fixed 4 (budget {4 * args.steps:,} batches)",
         "",
@@ -104,7 +117,7 @@ def membership_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[st
     return lines
 
 
-def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
+def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path, section: Section) -> list[str]:
     """The same failure schedule on data leases and on static shards: windows lost."""
     schedule = root / "mtbf.yaml"
     schedule.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +133,16 @@ def mtbf_scenario(args: argparse.Namespace, root: pathlib.Path) -> list[str]:
     static = run(root / "mtbf_static", CONFIG, {**common, "decoupled.data_shards": 0})
     window = leased["config"]["data"]["batch_size"]
     skipped = sum(x["skipped_batches"] for x in static["learners"])
+    ledger = leased["data_ledger"]
+    section.claim(
+        f"windows lost under MTBF {args.mtbf:.0f} s, data on leases",
+        ledger["missing"],
+        unit="windows",
+        headline=True,
+        baseline=f"static shards {skipped * window:,} ({skipped} batches skipped)",
+        note=f"{ledger['repeated']} trained twice",
+        section="2. Windows lost under the MTBF schedule",
+    )
     lines = [
         f"### 2. Windows lost under the MTBF schedule (mtbf {args.mtbf:.0f} s, repair "
         f"{args.repair:.0f} s)",
@@ -170,29 +193,20 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     root = pathlib.Path(args.workroot)
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    section = Section("elastic")
     body: list[str] = []
     for name, scenario in (("membership", membership_scenario), ("mtbf", mtbf_scenario)):
         if name in args.only:
-            body += scenario(args, root)
-            _write(args, started, body)
-
-
-def _write(args: argparse.Namespace, started: str, body: list[str]) -> None:
-    command = "python -m tools.bench_elastic " + " ".join(sys.argv[1:])
-    text = "\n".join(
-        [
-            "## Elastic membership and the data ledger (issue 21)",
-            "",
-            f"Command: `{command}` (written {started}; machine: {machine_description()}; load "
-            f"average {os.getloadavg()[0]:.1f} at the end). Definitions: docs/chaos.md.",
-            "",
-            *body,
-        ]
-    )
-    if args.out:
-        pathlib.Path(args.out).write_text(text + "\n")
-    print(text, flush=True)
+            body += scenario(args, root, section)
+            lines = [
+                "## Elastic membership and the data ledger (issue 21)",
+                "",
+                f"{section.header()} Load average {os.getloadavg()[0]:.1f} at the end. "
+                "Definitions: docs/chaos.md.",
+                "",
+                *body,
+            ]
+            section.write(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ _LINE = re.compile(r"first step ([\d.]+) s after ([^:]*): (.*)")
 def _config():
     from decoupled_diloco import config as config_lib
     from experiments.configs import tiny_lm_decoupled
-    from tools.bench_chaos import BEFORE_GATHER
+    from tools.decoupled_variants import TINY_DECOUPLED_BEFORE_GATHER
 
     base = config_lib.from_config_dict(tiny_lm_decoupled.get_config())
     return config_lib.replace(
@@ -42,7 +42,7 @@ def _config():
         num_learners=1,
         train_steps=1_000_000,
         log_every=1000,
-        **{"checkpoint.every": 20, **BEFORE_GATHER},  # as measured
+        **{"checkpoint.every": 20, **TINY_DECOUPLED_BEFORE_GATHER},  # as measured
     )
 
 

@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import datetime
 import json
 import math
 import pathlib
 import random
-import subprocess
-import sys
+import shutil
 import tempfile
 import threading
 import time
@@ -33,7 +31,8 @@ import zlib
 import grpc
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tools.benchkit import Section, serving
+
 TOKEN = "bench-security-token"
 SERVICE = "/decoupled_diloco.Syncer/"
 INFLIGHT = 16 << 20  # max_inflight_bytes for the run
@@ -171,33 +170,18 @@ def _chunks(
 def run(out: pathlib.Path) -> None:
     from decoupled_diloco.comm import auth
     from decoupled_diloco.comm import syncer_pb2 as pb
-    from decoupled_diloco.config import write_config_file
     from decoupled_diloco.syncer.server import initial_fragments
     from decoupled_diloco.tasks import make_task
 
     config = _config()
-    cut, _ = initial_fragments(config)
-    specs = cut[0]
-    fingerprint_specs = sorted((s for f in cut for s in f), key=lambda s: s.index)
+    partition, _ = initial_fragments(config)
+    specs = partition[0]
+    fingerprint_specs = sorted((s for f in partition for s in f), key=lambda s: s.index)
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_security_"))
-    syncer = subprocess.Popen(
-        [
-            sys.executable, "-m", "decoupled_diloco.syncer",
-            f"--config={write_config_file(config, tmp / 'config.py')}",
-            "--host=127.0.0.1", "--port=0", f"--port_file={tmp / 'port'}",
-        ],
-        cwd=ROOT, env={**__import__("os").environ, "DD_RUN_TOKEN": TOKEN},
-        stdout=subprocess.DEVNULL, stderr=open(tmp / "syncer.log", "w"),
-    )  # fmt: skip
     rows, extra_lines = [], []
-    try:
-        deadline = time.monotonic() + 300
-        while not (tmp / "port").exists():
-            if syncer.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the syncer did not start: {(tmp / 'syncer.log').read_text()}")
-            time.sleep(0.1)
-        port = int((tmp / "port").read_text())
+    with serving(config, tmp, TOKEN) as served:
+        syncer, port = served.proc, served.port
         a = Attacker(port, pb)
         grpc.channel_ready_future(a.channel).result(timeout=60)
         inc = {}
@@ -497,14 +481,18 @@ def run(out: pathlib.Path) -> None:
             f"{time.perf_counter() - t0:.2f} s (code {syncer.returncode}; target ≤ 5 s)."
         )
         waiting.shutdown(wait=False, cancel_futures=True)
-    finally:
-        if syncer.poll() is None:
-            syncer.kill()
-            syncer.wait()
-    shown = out.relative_to(ROOT) if out.is_absolute() else out
+    shutil.rmtree(tmp, ignore_errors=True)
+    section = Section("security")
+    unchanged = sum(r[2] == "no" for r in rows)
+    section.claim(
+        "hostile-peer attacks leaving the syncer unchanged",
+        f"{unchanged} of {len(rows)}",
+        headline=True,
+        section="Security (hostile peers)",
+    )
     lines = [
         "## Security (hostile peers)\n",
-        f"`python -m tools.bench_security --out={shown}` on {datetime.date.today().isoformat()}. "
+        f"{section.header()} "
         "A real syncer process (2-layer d_model-256 model, 2 fragments, quorum 2), attacked "
         "with messages built from the generated protobuf "
         'classes; "state changed" compares versions, merges, pending pushes and every '
@@ -517,9 +505,7 @@ def run(out: pathlib.Path) -> None:
     for name, codes, changed, rss0, rss1, slowest in rows:
         lines.append(f"| {name} | {codes} | {changed} | {rss0:.0f} → {rss1:.0f} | {slowest:.0f} |")
     lines += ["", *extra_lines, ""]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print(f"[security] wrote {out}")
+    section.write(out, "\n".join(lines))
 
 
 def main() -> None:

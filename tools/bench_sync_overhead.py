@@ -13,17 +13,13 @@ counters) and its background threads. One learner, H = 50, 4 fragments: a push e
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
+import shutil
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-COMMAND = "python -m tools.bench_sync_overhead --out=benchmarks/results/sync_overhead.md"
 OVERRIDES = [  # a model whose step takes tens of milliseconds on one core
     "--config.num_learners=1",
     "--config.train_steps=100000",
@@ -36,7 +32,7 @@ OVERRIDES = [  # a model whose step takes tens of milliseconds on one core
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sync_overhead.md"))
+    parser.add_argument("--out", default="benchmarks/results/sync_overhead.md")
     parser.add_argument("--steps", type=int, default=150, help="steps per timed run")
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
@@ -49,23 +45,12 @@ def main() -> None:
 
     import decoupled_diloco as dd
     from experiments.examples import own_loop
+    from tools.benchkit import ROOT, Section, serving
 
     config_file = ROOT / "experiments" / "examples" / "own_loop.py"
-    env = {**os.environ, "DD_RUN_TOKEN": "bench-token"}
-    port_file = pathlib.Path(f"/tmp/bench_sync_overhead_{os.getpid()}.port")
-    port_file.unlink(missing_ok=True)
-    syncer = subprocess.Popen(
-        [sys.executable, "-m", "decoupled_diloco.syncer", f"--config={config_file}", "--port=0",
-         f"--port_file={port_file}", *OVERRIDES],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        preexec_fn=lambda: os.sched_setaffinity(0, {cores[-1]}),
-    )  # fmt: skip
-    try:
-        while not port_file.exists():
-            if syncer.poll() is not None:
-                sys.exit("the syncer did not start")
-            time.sleep(0.1)
-        address = f"127.0.0.1:{port_file.read_text()}"
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="bench_sync_overhead_"))
+    with serving(config_file, directory, "bench-token", flags=OVERRIDES, cpu=cores[-1]) as syncer:
+        address = syncer.address
         fields = dict(o.removeprefix("--config.").split("=") for o in OVERRIDES)
         base = dd.from_config_dict(own_loop.get_config())
         config = dd.replace(base, **{k: int(v) for k, v in fields.items()})  # all integers
@@ -122,18 +107,27 @@ def main() -> None:
         versions = list(sync.versions)
         host_s, blocked_s = sync.counters.sync_host_s, sync.counters.blocked_s
         sync.__exit__(None, None, None)
-    finally:
-        syncer.terminate()
-        syncer.wait(timeout=30)
-        port_file.unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
     bare_s, synced_s = statistics.median(times["bare"]), statistics.median(times["synced"])
     # Each synced run against the bare run just before it: slow drifts of the machine cancel.
     ratios = [s / b for b, s in zip(times["bare"], times["synced"], strict=True)]
+    section = Section("sync_overhead")
+    overhead = 100 * (statistics.median(ratios) - 1)
+    section.claim(
+        "DecoupledSync overhead in a user's loop",
+        round(overhead, 2),
+        unit="% of step",
+        baseline=f"bare {1e3 * bare_s:.2f} ms/step",
+        goal="at most 2%",
+        met=overhead <= 2.0,
+        headline=True,
+        section="DecoupledSync in a user's own loop: overhead",
+    )
     synced_steps = args.steps * args.repeats
     n_params = sum(x.size for x in jax.tree.leaves(params))
     lines = [
         "## DecoupledSync in a user's own loop: overhead\n",
-        f"`{COMMAND}` on {datetime.date.today()}. The loop of `experiments/examples/own_loop.py` "
+        f"{section.header()} The loop of `experiments/examples/own_loop.py` "
         f"(its own byte LM, {n_params:,} parameters: d_model 128, 2 layers, seq 64, batch 16; "
         "its own AdamW and jitted step) on one core, the syncer process pinned to the other; "
         f"{args.repeats} alternating runs of {args.steps} steps each, bare and with "
@@ -154,10 +148,7 @@ def main() -> None:
         f"{sync_share(host_s, synced_s, synced_steps)}, waiting on the link "
         f"{1e3 * blocked_s:.1f} ms in all.\n",
     ]
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}", flush=True)
+    section.write(args.out, "\n".join(lines))
     os._exit(0)
 
 

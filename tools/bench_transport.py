@@ -14,10 +14,8 @@ direction.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +24,9 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from decoupled_diloco.local.procs import Processes
+from tools.benchkit import Section, serving
+
 CHUNK = 1 << 20
 TOKEN = "bench-transport"
 # ~25.7M float32 parameters (~103 MB): a 2-layer, d_model 1024 transformer.
@@ -59,17 +59,6 @@ def serve_raw(port_file: str) -> None:
     server.start()
     pathlib.Path(port_file).write_text(str(port))
     server.wait_for_termination()
-
-
-def _wait_port(path: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 300) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text():
-            return int(path.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        time.sleep(0.05)
-    raise TimeoutError("server did not start")
 
 
 def bench_raw(port: int, total: int, repeats: int) -> tuple[float, float]:
@@ -156,7 +145,6 @@ def main() -> None:
         serve_raw(args.serve_raw)
         return
     from decoupled_diloco import config as c
-    from decoupled_diloco.config import write_config_file
 
     config = c.replace(
         c.ExperimentConfig(mode="decoupled", num_learners=2, inner_steps=8),
@@ -164,49 +152,41 @@ def main() -> None:
         **{"decoupled.fragments": args.fragments, "decoupled.quorum": 2},
     )
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_transport_"))
-    env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
-    procs = []
+    raw = Processes(tmp, {**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        raw = subprocess.Popen(
+        raw.start(
+            "raw",
             [sys.executable, "-m", "tools.bench_transport", f"--serve_raw={tmp / 'raw.port'}"],
-            cwd=ROOT,
-            env=env,
         )
-        procs.append(raw)
-        syncer = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "decoupled_diloco.syncer",
-                f"--config={write_config_file(config, tmp / 'config.py')}",
-                "--port=0",
-                f"--port_file={tmp / 'syncer.port'}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-        procs.append(syncer)
-        raw_port = _wait_port(tmp / "raw.port", raw)
-        syncer_port = _wait_port(tmp / "syncer.port", syncer)
-        first = True
-        # Alternate the two, so that load from other work on the machine hits both alike.
-        runs = []
-        for _ in range(args.repeats):
-            push, pull, par, total = bench_syncer(f"127.0.0.1:{syncer_port}", config, 1, first)
-            runs.append((push, pull, par, *bench_raw(raw_port, total, 1)))
-            first = False
-        push, pull, par, raw_up, raw_down = (max(x) for x in zip(*runs, strict=True))
+        raw_port = raw.wait_for_port(tmp / "raw.port", timeout_s=300)
+        with serving(config, tmp, TOKEN, env={"JAX_PLATFORMS": "cpu"}) as syncer:
+            first = True
+            # Alternate the two, so that load from other work on the machine hits both alike.
+            runs = []
+            for _ in range(args.repeats):
+                push, pull, par, total = bench_syncer(syncer.address, config, 1, first)
+                runs.append((push, pull, par, *bench_raw(raw_port, total, 1)))
+                first = False
     finally:
-        from decoupled_diloco.local.procs import reap
-
-        reap(procs)
-    command = f"python -m tools.bench_transport --out={args.out or 'PATH'}"
-    section = "\n".join(
+        raw.reap()
+    push, pull, par, raw_up, raw_down = (max(x) for x in zip(*runs, strict=True))
+    section = Section("transport")
+    for direction, ours, base in (("push", push, raw_up), ("pull", pull, raw_down)):
+        section.claim(
+            f"syncer {direction} / raw gRPC throughput",
+            round(ours / base, 2),
+            unit="×",
+            baseline=f"raw gRPC {base:.0f} MB/s",
+            goal="≥ 0.5",
+            met=ours / base >= 0.5,
+            headline=direction == "push",
+            section="Transport: syncer push/pull vs raw chunked gRPC (issue 3)",
+        )
+    text = "\n".join(
         [
             "## Transport: syncer push/pull vs raw chunked gRPC (issue 3)",
             "",
-            f"Command: `{command}` (run {datetime.datetime.now():%Y-%m-%d %H:%M}); "
+            f"{section.header()} "
             f"{total / 1e6:.1f} MB in {args.fragments} fragments, 1 MiB chunks, servers in "
             f"separate processes on 127.0.0.1, best of {args.repeats}. Shared 2-core machine.",
             "",
@@ -232,9 +212,7 @@ def main() -> None:
             "",
         ]
     )
-    print(section)
-    if args.out:
-        pathlib.Path(args.out).write_text(section + "\n")
+    section.write(args.out, text)
 
 
 if __name__ == "__main__":

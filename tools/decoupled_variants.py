@@ -125,3 +125,19 @@ LONG_DECOUPLED = {
 }
 M4_SHORT = {"num_learners": 4, "inner_steps": 50, "train_steps": 300}
 SEEDS = (1, 2)
+
+# The decoupled settings the fault benchmarks (chaos, restart) were measured with
+# (tiny_lm_decoupled's before 2026-11-30: τ=2, merges of whatever arrived, outer lr 1/M),
+# pinned to stay reproducible. As `--config.KEY` overrides.
+TINY_DECOUPLED_BEFORE_GATHER = {
+    "outer.lr": 0.5,
+    "decoupled.overlap_steps": 2,
+    "decoupled.keep_overlap": False,
+    "decoupled.grace_safety": 0.5,
+    "decoupled.syncer.max_grace_s": 2.0,
+    "decoupled.partial_merge": "mean",
+    "decoupled.apply_on_arrival": False,
+}
+# Decoupled runs under faults keep one warm standby learner (docs/chaos.md, "Warm standby"):
+# a restart activates it instead of starting a new process.
+STANDBY = {"supervisor.standby": 1}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -81,7 +82,7 @@ class Section:
         self.claims: list[Claim] = []
 
     def header(self) -> str:
-        """ "Command: `...` (run DATE; machine: ...)." for the top of the section."""
+        """The line that opens the section: its command, date and machine."""
         return f"Command: `{self.command}` (run {self.date}; machine: {self.machine})."
 
     def claim(self, figure: str, value: float | int | str, **fields: Any) -> Claim:
@@ -106,7 +107,8 @@ class Section:
             return
         path = pathlib.Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text if text.endswith("\n") else text + "\n")
+        text = text if text.endswith("\n") else text + "\n"
+        path.write_text(text)
         record = {
             "benchmark": self.name,
             "title": title or text.lstrip().splitlines()[0].lstrip("# ").strip(),
@@ -114,13 +116,30 @@ class Section:
             "date": self.date,
             "machine": self.machine,
             "claims": [dataclasses.asdict(c) for c in self.claims],
+            "section_sha256": digest(text),
         }
         path.with_suffix(".json").write_text(json.dumps(record, indent=1, ensure_ascii=False))
 
 
+def digest(text: str) -> str:
+    """The SHA-256 of a section's text: its claims were written with exactly this text."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def load_claims(results: pathlib.Path = RESULTS) -> list[dict[str, Any]]:
-    """Every benchmark's record (`NAME.json`), in file-name order."""
-    return [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))]
+    """Every benchmark's record (`NAME.json`), in file-name order.
+
+    A record whose section (`NAME.md`) has been rewritten since, by a benchmark that does not
+    record claims or by hand, gets `stale: True`: its claims may no longer be the section's.
+    """
+    records = []
+    for path in sorted(results.glob("*.json")):
+        record = json.loads(path.read_text())
+        section = path.with_suffix(".md")
+        text = section.read_text() if section.exists() else ""
+        record["stale"] = digest(text) != record.get("section_sha256")
+        records.append(record)
+    return records
 
 
 def headline_table(records: list[dict[str, Any]], order: list[str], limit: int = 20) -> list[str]:
@@ -147,6 +166,7 @@ def headline_table(records: list[dict[str, Any]], order: list[str], limit: int =
             unit = c.get("unit") or ""
             shown += f" {unit}" if unit and unit not in ("×", "%") else unit
             link = f"[{record['benchmark']}](results/{record['benchmark']}.md)"
+            link += " (section rewritten since: rerun it)" if record.get("stale") else ""
             rows.append(
                 f"| {c['figure']} | {shown} | {c.get('baseline') or '-'} | "
                 f"{c.get('goal') or '-'} | {met} | {link} ({record['date'][:10]}) |"
