@@ -15,7 +15,7 @@ import sys
 
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.sim import calibration as calibrate_sim
-from tools.run_benchmarks import machine_description
+from tools.benchkit import machine_description
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ROOTS = ("runs/bench_chaos_exact", "runs/bench_chaos")

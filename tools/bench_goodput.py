@@ -15,7 +15,7 @@ import sys
 import time
 
 from decoupled_diloco.sim import SimConfig, simulate
-from tools.run_benchmarks import machine_description
+from tools.benchkit import machine_description
 
 # (chips, system, M, paper goodput) from the paper's table (literature.md section 1).
 PAPER = [

@@ -1,23 +1,24 @@
 """Runs every `tools/bench_*.py` benchmark and collects their sections into benchmarks/RESULTS.md.
 
 Each benchmark is a module with a `main` that accepts `--out=PATH` and writes one Markdown section
-(its numbers and the exact command that produced them). Run one alone with
+(its numbers and the exact command that produced them) and, beside it, its claims as
+`NAME.json` (`tools.benchkit.section`). Run one alone with
 `python -m tools.bench_<name> --out=benchmarks/results/<name>.md`, or all with `make bench`.
 Pass `--only=name1,name2` to rerun a subset; the other sections are kept from their last run.
+RESULTS.md opens with the headline table built from the claims marked `headline`; the sections
+follow in reading order. Superseded runs live in benchmarks/history/.
 """
 
 import argparse
 import datetime
-import os
-import pathlib
-import platform
+import re
 import subprocess
 import sys
 
+from tools.benchkit.section import RESULTS, ROOT, headline_table, load_claims, machine_description
 from tools.decoupled_variants import BEFORE_GATHER_DEFAULTS
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "benchmarks" / "results"
+RESULTS_DIR = RESULTS
 # RESULTS.md's reading order: quality first, then the decoupled mode, compression, WAN, faults,
 # scale, GPU; a benchmark not named here follows in alphabetical order.
 READING_ORDER = [
@@ -28,17 +29,17 @@ READING_ORDER = [
 ]  # fmt: skip
 
 
-def machine_description() -> str:
-    """CPU model, core count and Python version, for the header of each result."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+def _relinked(text: str) -> str:
+    """A section's relative links (written from results/) as seen from benchmarks/RESULTS.md."""
+
+    def fix(match: re.Match) -> str:
+        target = match.group(2)
+        if re.match(r"^([a-z]+:|#|/)", target):
+            return match.group(0)
+        shown = (RESULTS_DIR / target).resolve().relative_to(ROOT / "benchmarks")
+        return f"{match.group(1)}({shown.as_posix()})"
+
+    return re.sub(r"(!?\[[^\]]*\])\(([^)\s]+)\)", fix, text)
 
 
 def main() -> None:
@@ -78,11 +79,18 @@ def main() -> None:
         "`tools/decoupled_variants.py`).\n",
     ]
     order = READING_ORDER + sorted(set(names) - set(READING_ORDER))
+    sections += [
+        "## Headline\n",
+        "Each row is a claim a benchmark recorded (`benchmarks/results/NAME.json`: the figure, "
+        "the value measured, the peer's number or the limit, the goal, the command and the date), "
+        "linked to its section; the sections follow in reading order.\n",
+        "\n".join(headline_table(load_claims(RESULTS_DIR), order)) + "\n",
+    ]
     # (gpu.md is written by tools/device_check.py on a GPU machine, not by a bench_ script.)
     for name in order:
         path = RESULTS_DIR / f"{name}.md"
         if path.exists():
-            sections.append(path.read_text())
+            sections.append(_relinked(path.read_text()))
     (ROOT / "benchmarks" / "RESULTS.md").write_text("\n".join(sections))
     print(f"[bench] wrote {ROOT / 'benchmarks' / 'RESULTS.md'}")
     if failed:

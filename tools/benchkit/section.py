@@ -162,9 +162,9 @@ def headline_table(records: list[dict[str, Any]], order: list[str], limit: int =
                 continue
             met = {True: "yes", False: "**no**", None: "-"}[c.get("met")]
             value = c["value"]
-            shown = f"{value:,.4g}" if isinstance(value, float) else f"{value}"
+            shown = f"{value:,.6g}" if isinstance(value, float) else f"{value}"
             unit = c.get("unit") or ""
-            shown += f" {unit}" if unit and unit not in ("×", "%") else unit
+            shown += unit if unit[:1] in ("×", "%", "") else f" {unit}"
             link = f"[{record['benchmark']}](results/{record['benchmark']}.md)"
             link += " (section rewritten since: rerun it)" if record.get("stale") else ""
             rows.append(

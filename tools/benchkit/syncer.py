@@ -75,7 +75,7 @@ def serving(
     command = [*commands.syncer_command(config, port_file, checkpoint_dir=checkpoints), *flags]
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]
-    procs = Processes(directory, {**commands.child_env(token), **env})
+    procs = Processes(directory, {**commands.child_env(token), **dict(env)})
     proc = procs.start("syncer", command)
     try:
         port = procs.wait_for_port(port_file, timeout_s)
