@@ -14,7 +14,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_a_section_writes_its_text_and_its_claims_beside_it(tmp_path):
-    section = section_lib.Section("demo", argv=["--steps=3", f"--out={tmp_path / 'demo.md'}"])
+    argv = ["--steps=3", f"--out={section_lib.ROOT}/benchmarks/results/demo.md"]
+    section = section_lib.Section("demo", argv=argv)
     section.claim("wall time", 12.5, unit="s", goal="≤ 300 s", met=True, headline=True)
     section.claim("wall time", 11.0, unit="s", goal="≤ 300 s", met=True, headline=True)
     out = tmp_path / "demo.md"
@@ -22,9 +23,10 @@ def test_a_section_writes_its_text_and_its_claims_beside_it(tmp_path):
 
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["benchmark"] == "demo" and record["title"] == "Demo"
-    assert record["command"] == "python -m tools.bench_demo --steps=3"  # --out left out
+    command = "python -m tools.bench_demo --steps=3 --out=benchmarks/results/demo.md"
+    assert record["command"] == command  # the repository's paths relative, as typed
     assert [c["value"] for c in record["claims"]] == [11.0]  # the same figure replaced
-    assert "python -m tools.bench_demo --steps=3" in out.read_text()
+    assert command in out.read_text()
     (loaded,) = section_lib.load_claims(tmp_path)
     assert not loaded["stale"]
 

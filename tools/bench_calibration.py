@@ -9,15 +9,13 @@ the gaps that explain the differences. Issue 6's target: predicted within ±5 po
 
 import argparse
 import dataclasses
-import datetime
 import pathlib
 import sys
 
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.sim import calibration as calibrate_sim
-from tools.benchkit import machine_description
+from tools.benchkit import ROOT, Section
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 ROOTS = ("runs/bench_chaos_exact", "runs/bench_chaos")
 NAMES = (
     "decoupled_chaos",
@@ -124,8 +122,8 @@ def sensitivity(run: pathlib.Path) -> str | None:
     )
 
 
-def verdict(runs: list[pathlib.Path]) -> str:
-    """How many comparisons are within the ±5-point target."""
+def verdict(runs: list[pathlib.Path], section: Section) -> str:
+    """How many comparisons are within the ±5-point target (recorded as claims)."""
     whole, window = [], []
     for run in runs:
         facts = calibrate_sim.extract(run)
@@ -133,6 +131,20 @@ def verdict(runs: list[pathlib.Path]) -> str:
         if facts.first_done_s is not None and facts.goodput_first_done is not None:
             early = calibrate_sim.predict(facts, end_s=facts.first_done_s)
             window.append(abs(early.goodput - facts.goodput_first_done))
+    for figure, diffs, headline in (
+        ("per-learner sim within ±5 points of measured, whole run", whole, True),
+        ("per-learner sim within ±5 points, until first learner done", window, False),
+    ):
+        if diffs:
+            section.claim(
+                figure,
+                f"{sum(d <= 0.05 for d in diffs)} of {len(diffs)}",
+                goal="within ±5 points of measured",
+                met=all(d <= 0.05 for d in diffs),
+                headline=headline,
+                note=f"largest miss {100 * max(diffs):.1f} points",
+                section="Calibration: the goodput simulator vs measured local chaos runs (issue 6)",
+            )
     return (
         f"Within ±5 points: whole run (or capped window) {sum(d <= 0.05 for d in whole)} of "
         f"{len(whole)} (largest miss {100 * max(whole):.1f}); until the first learner is done "
@@ -154,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{', '.join(ROOTS)}; run `python -m tools.bench_chaos` first"
         )
     rel = " ".join(str(p.relative_to(ROOT)) if p.is_absolute() else str(p) for p in runs)
+    section = Section("calibration", argv)
     lines = [
         "## Calibration: the goodput simulator vs measured local chaos runs (issue 6)\n",
-        f"Run {datetime.date.today().isoformat()} on {machine_description()}: "
-        f"`python -m tools.bench_calibration --out={args.out}`, which is "
+        f"{section.header()} It is "
         f"`python -m decoupled_diloco.sim calibrate {rel}` (and `--pooled` for the second table). "
         "Inputs are measured from each run's timelines and fault events "
         "(method: `decoupled_diloco.sim.calibration`'s docstring, docs/simulator.md "
@@ -200,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---|" + "---:|" * (len(SCALES) + 2),
         *[g for g in (sensitivity(r) for r in runs) if g],
         "",
-        verdict(runs),
+        verdict(runs, section),
         "",
         "Reading the numbers:",
         "- dp and diloco runs were stopped at a time cap, so they are compared over the window "
@@ -225,10 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         "above); the simulated last learner also finishes at a different time. Waiting and "
         "blocked time (last column) are not modelled either.",
     ]
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    section.write(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Targets: <= 5 minutes after set-up, >= 2 learner failures with rejoins, goodput 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -21,7 +20,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tools.benchkit import ROOT, Section
 
 
 def main() -> None:
@@ -42,7 +41,7 @@ def main() -> None:
         "--config=experiments/configs/demo.py",
         f"--workdir={workdir}",
     ]
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    section = Section("demo")
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     wall_s = time.perf_counter() - t0
@@ -53,13 +52,19 @@ def main() -> None:
         if '"event": "fault"' in line and '"kind": "kill"' in line
     )
     shown = "python " + " ".join(cmd[1:]).replace(str(ROOT) + "/", "")
-    section = "\n".join(
+    cache = ", empty compile cache" if args.cold_cache else ""
+    claims = (
+        (f"make demo wall time{cache}", round(wall_s), "s", "<= 300 s", wall_s <= 300, True),
+        ("demo goodput", round(s["goodput"], 3), "goodput", ">= 0.85", s["goodput"] >= 0.85, False),
+        ("demo learner failures with rejoins", kills, "kills", ">= 2", kills >= 2, False),
+    )
+    for figure, value, unit, goal, met, headline in claims:
+        section.claim(figure, value, unit=unit, goal=goal, met=met, headline=headline)
+    text = "\n".join(
         [
             "## `make demo` (issue 7)",
             "",
-            f"Command: `python -m tools.bench_demo --out={args.out or 'PATH'}"
-            f"{' --cold_cache' if args.cold_cache else ''}` (written {started}), which runs "
-            f"`{shown}`"
+            f"{section.header()} It runs `{shown}`"
             f"{' with an empty JAX compile cache' if args.cold_cache else ''}. Targets: <= 300 s, "
             ">= 2 learner failures with rejoins, goodput >= 0.85.",
             "",
@@ -72,9 +77,7 @@ def main() -> None:
             "",
         ]
     )
-    print(section)
-    if args.out:
-        pathlib.Path(args.out).write_text(section)
+    section.write(args.out, text)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,11 @@ Targets (issue 8): decoupled final eval loss within 2% of dp; on digits, accurac
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 
-from decoupled_diloco.local.runs import run_or_reuse
+from tools.benchkit import ROOT, Section, train
 from tools.decoupled_variants import BEFORE_GATHER_DEFAULTS
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 300
 M = 4
 TEXT = {
@@ -128,7 +126,7 @@ LOCAL_STEPS = (
 def run(name: str, config_file: str, args: dict, workroot: pathlib.Path) -> dict:
     """Runs `python -m experiments.train` with `args` (or reuses its finished output)."""
     workdir = workroot / name
-    summary = run_or_reuse(f"experiments/configs/{config_file}", args, workdir, tag="bench_models")
+    summary = train(workdir, f"experiments/configs/{config_file}", args, tag="bench_models")
     summary["command"] = summary["command"].replace(str(workroot), "runs/bench_models")
     return summary
 
@@ -145,7 +143,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated: dense,moe,vision")
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
-    started = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
+    section = Section("models")
     wanted = [x for x in args.only.split(",") if x]
     rows, local_rows, commands = [], [], []
     for label, (config_file, sizes) in MODELS.items():
@@ -170,6 +168,15 @@ def main() -> None:
             ratio = dec["final_eval_loss"] / dp["final_eval_loss"]
             gap = "-"
             ok = ratio <= 1.02
+            section.claim(
+                f"{label} decoupled / dp eval loss ({variant})",
+                round(ratio, 4),
+                unit="×",
+                baseline=f"diloco/dp {sync['final_eval_loss'] / dp['final_eval_loss']:.4f}",
+                goal="≤ 1.02",
+                met=ok,
+                section="Models: text dense, text MoE, vision dense; dp vs decoupled (issue 8)",
+            )
             if dp.get("final_eval_accuracy") is not None:
                 points = 100 * (dp["final_eval_accuracy"] - dec["final_eval_accuracy"])
                 gap, ok = f"{points:+.1f} pt", ok and points <= 1.0
@@ -193,9 +200,8 @@ def main() -> None:
     lines = [
         "## Models: text dense, text MoE, vision dense; dp vs decoupled (issue 8)",
         "",
-        f"Command: `python -m tools.bench_models --out={args.out or 'PATH'}` (written {started}; "
-        f"finished runs are reused). M={M} learners, {STEPS} steps each, H=50 unless noted; dp "
-        "runs the same "
+        f"{section.header()} Finished runs are reused. M={M} learners, {STEPS} steps each, "
+        "H=50 unless noted; dp runs the same "
         "steps on the four shards as one batch, so every mode trains on the same tokens "
         "(for vision a token is one image). Decoupled: quorum 1, P=4, "
         "RDA (mean for embeddings); outer settings per row (see the module docstring). Targets: "
@@ -227,10 +233,7 @@ def main() -> None:
             "",
         ]
     lines += ["Commands of each run:", "", *(f"- `{c}`" for c in commands), ""]
-    section = "\n".join(lines) + "\n"
-    print(section)
-    if args.out:
-        pathlib.Path(args.out).write_text(section)
+    section.write(args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,10 @@ A finished run is reused; delete its directory under runs/bench_multihost to rer
 from __future__ import annotations
 
 import argparse
-import datetime
 import pathlib
 
-from decoupled_diloco.local.runs import run_or_reuse
+from tools.benchkit import ROOT, Section, train
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTING = {
     "mode": "decoupled",
     "num_learners": 2,
@@ -58,7 +56,7 @@ def run(
     workdir = workroot / f"p{processes}_seed{seed}_steps{steps}{tag}"
     args = {**SETTING, **(extra or {}), "train_steps": steps, "seed": seed}
     args["decoupled.island_processes"] = processes
-    result = run_or_reuse("experiments/configs/tiny_lm.py", args, workdir, tag="bench_multihost")
+    result = train(workdir, "experiments/configs/tiny_lm.py", args, tag="bench_multihost")
     return {"cmd": result["command"], **result}
 
 
@@ -85,10 +83,19 @@ def main(argv: list[str] | None = None) -> None:
     mean_single = sum(r[1]["final_eval_loss"] for r in rows) / len(rows)
     mean_multi = sum(r[2]["final_eval_loss"] for r in rows) / len(rows)
     mean_rel = mean_multi / mean_single - 1
+    section = Section("multihost", argv)
+    section.claim(
+        "final eval loss, 2 vs 1 processes per island (mean)",
+        round(100 * mean_rel, 2),
+        unit="%",
+        baseline=f"1 process/island {mean_single:.4f}",
+        goal="mean within 1%",
+        met=abs(mean_rel) <= 0.01,
+        section="Multi-process islands (issue 9)",
+    )
     lines = [
         "## Multi-process islands (issue 9)\n",
-        f"`python -m tools.bench_multihost --out={args.out} --seeds={args.seeds} "
-        f"--steps={args.steps}`, run {datetime.date.today().isoformat()}. Two islands of a (2, 1) "
+        f"{section.header()} Two islands of a (2, 1) "
         "mesh each: 1 process x 2 devices against 2 processes x 1 device "
         "(`decoupled.island_processes=2`, jax.distributed + gloo on 127.0.0.1); tiny_lm at "
         "d_model 64, "
@@ -120,11 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += [f"    {r[1]['cmd']}\n    {r[2]['cmd']}" for r in rows]
     lines.append(f"    {again['cmd']}")
     lines += [f"    {r['cmd']}" for r in fixed]
-    text = "\n".join(lines) + "\n"
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
+    section.write(ROOT / args.out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ held-out loss of the global model.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
 import sys
@@ -26,9 +25,8 @@ configure_cpu_devices(2)
 
 import decoupled_diloco as dd  # noqa: E402
 from decoupled_diloco import config as config_lib  # noqa: E402
+from tools.benchkit import RESULTS, ROOT, Section  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-COMMAND = "python -m tools.bench_muon --out=benchmarks/results/muon.md"
 RUNS = [  # (label, optim overrides)
     ("AdamW, lr 3e-3 (the config's)", {}),
     ("Muon, lr 0.01", {"optim.name": "muon", "optim.lr": 0.01, "optim.adam_lr": 3e-3}),
@@ -52,7 +50,7 @@ def _base() -> config_lib.ExperimentConfig:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "muon.md"))
+    parser.add_argument("--out", default=str(RESULTS / "muon.md"))
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     base = config_lib.replace(_base(), train_steps=args.steps)
@@ -64,9 +62,19 @@ def main() -> None:
         rows.append((label, s["final_eval_loss"], s["final_train_loss"], s["tokens"], s["wall_s"]))
         print(f"[bench_muon] {label}: eval {s['final_eval_loss']:.4f}", flush=True)
     best_adam = rows[0][1]
+    best = min(rows[1:], key=lambda r: r[1])
+    section = Section("muon")
+    section.claim(
+        f"best Muon ({best[0]}) / AdamW final eval loss",
+        round(best[1] / best_adam, 3),
+        unit="×",
+        baseline=f"{rows[0][0]} {best_adam:.4f}",
+        section="Muon as the inner optimizer (diloco, equal tokens)",
+        note="one seed per row",
+    )
     lines = [
         "## Muon as the inner optimizer (diloco, equal tokens)\n",
-        f"`{COMMAND}` on {datetime.date.today()}. `experiments/configs/tiny_lm.py`: the built-in "
+        f"{section.header()} `experiments/configs/tiny_lm.py`: the built-in "
         f"byte LM (0.5M parameters), `diloco` with M = 2 islands, H = 50, {args.steps} steps "
         "each, outer SGD lr 1 without momentum (the config's); every row trains on the same "
         "tokens. Muon (`optax.contrib.muon`) takes the 2-D weights, AdamW (lr 3e-3) the vectors "
@@ -79,16 +87,12 @@ def main() -> None:
             f"| {label} | {eval_loss:.4f} | {eval_loss / best_adam:.3f}x | {train_loss:.4f} | "
             f"{tokens:,} | {wall:.0f} |"
         )
-    best = min(rows[1:], key=lambda r: r[1])
     verdict = "below" if best[1] < best_adam else "above"
     lines.append(
         f"\nBest Muon run ({best[0]}) ends {verdict} AdamW: {best[1]:.4f} against "
         f"{best_adam:.4f} nats/byte. One seed per row.\n"
     )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}", flush=True)
+    section.write(args.out, "\n".join(lines))
     os._exit(0)  # noqa: SLF001 - leave without waiting on JAX's threads
 
 

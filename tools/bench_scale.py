@@ -36,8 +36,10 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tools.benchkit import ROOT, serving
+
 TOKEN = "bench-scale"
+CPU = {"JAX_PLATFORMS": "cpu"}
 FRAGMENTS = 4
 # The transformer shapes (byte vocabulary); 25m is the transport benchmark's tree.
 SIZES = {
@@ -108,39 +110,11 @@ def config_for(size: str, learners: int, snapshots_kept: int = 3):
     )
 
 
-def _wait_port(path: pathlib.Path, proc: subprocess.Popen, timeout_s: float = 900) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text():
-            return int(path.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"syncer exited with {proc.returncode}")
-        time.sleep(0.1)
-    raise TimeoutError("syncer did not start")
-
-
-def start_syncer(config, tmp: pathlib.Path, durable: bool) -> subprocess.Popen:
-    """`python -m decoupled_diloco.syncer` as an operator starts it (port in tmp/syncer.port)."""
-    from decoupled_diloco.config import write_config_file
-
-    command = [
-        sys.executable,
-        "-m",
-        "decoupled_diloco.syncer",
-        f"--config={write_config_file(config, tmp / 'config.py')}",
-        "--port=0",
-        f"--port_file={tmp / 'syncer.port'}",
-    ] + ([f"--checkpoint_dir={tmp / 'ckpt'}"] if durable else [])
-    env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-
-
 def run_cell(size: str, learners: int, rounds: int, snapshots_kept: int = 3) -> dict:
     """One (size, M) cell: a syncer process and M pushing threads; the measurements."""
     from decoupled_diloco import tasks
     from decoupled_diloco.comm.client import SyncerClient
     from decoupled_diloco.core import fragments
-    from decoupled_diloco.local.procs import reap
 
     config = config_for(size, learners, snapshots_kept)
     task = tasks.make_task(config)
@@ -148,10 +122,9 @@ def run_cell(size: str, learners: int, rounds: int, snapshots_kept: int = 3) -> 
     cut = fragments.partition(specs, FRAGMENTS)
     owned = sum(s.nbytes for s in specs)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_scale_"))
-    syncer = start_syncer(config, tmp, durable=True)
     rows = []
-    try:
-        port = _wait_port(tmp / "syncer.port", syncer)
+    with serving(config, tmp, TOKEN, True, env=CPU, timeout_s=900, cleanup=True) as served:
+        syncer, port = served.proc, served.port
         start_hwm, start_rss = proc_memory(syncer.pid)
         clients = [
             SyncerClient(f"127.0.0.1:{port}", config.decoupled.syncer, TOKEN)
@@ -223,9 +196,6 @@ def run_cell(size: str, learners: int, rounds: int, snapshots_kept: int = 3) -> 
             print(f"  {size} M={learners} round {r}: {rows[-1]}", flush=True)
         for client in clients:
             client.close()
-    finally:
-        reap([syncer])
-        subprocess.run(["rm", "-rf", str(tmp)], check=False)
     return {
         "size": size,
         "learners": learners,
@@ -413,8 +383,6 @@ def learner_cells(
     """
     import json
 
-    from decoupled_diloco.local.procs import reap
-
     lines = [
         "| size (params) | steps × step s | merges applied | stall % of wall | of it: "
         "applying merges / pushing s | longest stall s | join s | start-up peak GB | loop "
@@ -425,10 +393,8 @@ def learner_cells(
     for size in sizes:
         config = config_for(size, 1)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_scale_learner_"))
-        env = {**os.environ, "DD_RUN_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
-        syncer = start_syncer(config, tmp, durable=False)
-        try:
-            port = _wait_port(tmp / "syncer.port", syncer)
+        env = {**os.environ, "DD_RUN_TOKEN": TOKEN, **CPU}
+        with serving(config, tmp, TOKEN, env=CPU, timeout_s=900, cleanup=True) as served:
             child = subprocess.run(
                 [
                     sys.executable,
@@ -436,7 +402,7 @@ def learner_cells(
                     "tools.bench_scale",
                     "--section=learner_child",
                     f"--sizes={size}",
-                    f"--address=127.0.0.1:{port}",
+                    f"--address={served.address}",
                     f"--steps={steps}",
                     f"--step_s={step_s}",
                     f"--keep_overlap={keep_overlap}",
@@ -448,9 +414,6 @@ def learner_cells(
                 timeout=3600,
                 check=True,
             )
-        finally:
-            reap([syncer])
-            subprocess.run(["rm", "-rf", str(tmp)], check=False)
         line = next(x for x in child.stdout.splitlines() if x.startswith("RESULT "))
         r = json.loads(line[len("RESULT ") :])
         pushes, st = sum(r["versions"]), r["stall"]

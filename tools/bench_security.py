@@ -22,7 +22,6 @@ import json
 import math
 import pathlib
 import random
-import shutil
 import tempfile
 import threading
 import time
@@ -180,7 +179,7 @@ def run(out: pathlib.Path) -> None:
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_security_"))
     rows, extra_lines = [], []
-    with serving(config, tmp, TOKEN) as served:
+    with serving(config, tmp, TOKEN, cleanup=True) as served:
         syncer, port = served.proc, served.port
         a = Attacker(port, pb)
         grpc.channel_ready_future(a.channel).result(timeout=60)
@@ -481,7 +480,6 @@ def run(out: pathlib.Path) -> None:
             f"{time.perf_counter() - t0:.2f} s (code {syncer.returncode}; target ≤ 5 s)."
         )
         waiting.shutdown(wait=False, cancel_futures=True)
-    shutil.rmtree(tmp, ignore_errors=True)
     section = Section("security")
     unchanged = sum(r[2] == "no" for r in rows)
     section.claim(

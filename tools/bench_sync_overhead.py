@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import shutil
 import statistics
 import tempfile
 import time
@@ -49,7 +48,9 @@ def main() -> None:
 
     config_file = ROOT / "experiments" / "examples" / "own_loop.py"
     directory = pathlib.Path(tempfile.mkdtemp(prefix="bench_sync_overhead_"))
-    with serving(config_file, directory, "bench-token", flags=OVERRIDES, cpu=cores[-1]) as syncer:
+    with serving(
+        config_file, directory, "bench-token", flags=OVERRIDES, cpu=cores[-1], cleanup=True
+    ) as syncer:
         address = syncer.address
         fields = dict(o.removeprefix("--config.").split("=") for o in OVERRIDES)
         base = dd.from_config_dict(own_loop.get_config())
@@ -107,7 +108,6 @@ def main() -> None:
         versions = list(sync.versions)
         host_s, blocked_s = sync.counters.sync_host_s, sync.counters.blocked_s
         sync.__exit__(None, None, None)
-    shutil.rmtree(directory, ignore_errors=True)
     bare_s, synced_s = statistics.median(times["bare"]), statistics.median(times["synced"])
     # Each synced run against the bare run just before it: slow drifts of the machine cancel.
     ratios = [s / b for b, s in zip(times["bare"], times["synced"], strict=True)]

@@ -17,8 +17,6 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
-import pathlib  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -32,6 +30,7 @@ from decoupled_diloco.island import Island  # noqa: E402
 from decoupled_diloco.models.transformer import Transformer, lm_loss  # noqa: E402
 from decoupled_diloco.optim import make_inner_optimizer  # noqa: E402
 from decoupled_diloco.tasks import model_config  # noqa: E402
+from tools.benchkit import Section  # noqa: E402
 
 WINDOW, WINDOWS, WARMUP = 20, 6, 3
 
@@ -104,7 +103,7 @@ def measure(mesh_shape: tuple[int, int]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/throughput.md")
     args = parser.parse_args()
     tokens_per_step = 16 * 128
@@ -112,10 +111,30 @@ def main() -> None:
     double = measure((2, 1))
     ratio = single["bare_s"] / single["framework_s"]
     best_s = min(single["framework_s"], double["framework_s"])
+    section = Section("throughput")
+    section.claim(
+        "framework / bare jax.jit throughput, mesh 1x1",
+        round(ratio, 3),
+        unit="×",
+        baseline=f"bare jax.jit {1e3 * single['bare_s']:.1f} ms/step "
+        f"({tokens_per_step / single['bare_s']:,.0f} tokens/s)",
+        goal=">= 0.97",
+        met=ratio >= 0.97,
+        headline=True,
+        section="Inner-step throughput (foundation issue)",
+    )
+    section.claim(
+        "best single-learner rate",
+        round(tokens_per_step / best_s),
+        unit="tokens/s",
+        goal=">= 20,000",
+        met=tokens_per_step / best_s >= 20_000,
+        section="Inner-step throughput (foundation issue)",
+    )
     lines = [
         "## Inner-step throughput (foundation issue)",
         "",
-        f"Command: `python -m tools.bench_throughput` ({datetime.date.today().isoformat()}). "
+        f"{section.header()} "
         f"tiny_lm (d128, 2 layers, MLP 512, seq 128, batch 16), one learner; median of "
         f"{WINDOWS} windows of {WINDOW} steps, framework and bare windows alternating.",
         "",
@@ -134,9 +153,7 @@ def main() -> None:
         f"- Inner step traces: {single['trace_count']} (1x1), {double['trace_count']} (2x1).",
         "",
     ]
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    section.write(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

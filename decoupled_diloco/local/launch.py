@@ -13,7 +13,6 @@ killed outright (`PR_SET_PDEATHSIG`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import secrets
@@ -23,14 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import runtime, tasks
 from decoupled_diloco.comm import auth, wire
 from decoupled_diloco.comm.shards import syncer_client
-from decoupled_diloco.core.compression import ring_allreduce_bytes
 from decoupled_diloco.data import dataset as dataset_lib
 from decoupled_diloco.local import chaos_run, poll, wan
 from decoupled_diloco.local import supervisor as supervisor_lib
@@ -41,10 +36,10 @@ from decoupled_diloco.local.commands import (
     syncer_command,
 )
 from decoupled_diloco.local.evaluator import GlobalEvaluator
+from decoupled_diloco.local.job_summary import job_summary, learner_summaries, print_ledger
 from decoupled_diloco.local.procs import Processes, free_port
 from decoupled_diloco.obs import monitor as monitor_lib
 from decoupled_diloco.obs.metrics import make_writers, write_summary
-from decoupled_diloco.obs.summary import RunSummary
 from decoupled_diloco.obs.writers import close_all
 
 
@@ -102,15 +97,27 @@ def _shown(path: pathlib.Path) -> str:
         return str(path)
 
 
-def _steps_done(config: config_lib.ExperimentConfig, learners: list, ledger: dict | None) -> int:
-    """Steps per learner that the global model holds.
+@dataclasses.dataclass
+class _Job:
+    """One decoupled run while it runs: what it was given, its processes and their controls.
 
-    On data leases, the budget's batches that every fragment holds once, over `num_learners`
-    (learners train unequal shares); on static shards, the fewest any learner trained.
+    The run's token reaches the syncers through the environment, never through the config file
+    the learners read too (each learner gets only its own credential).
     """
-    if ledger is None:
-        return min(x["steps"] for x in learners)
-    return ledger["consumed_once"] // config.data.batch_size // config.num_learners
+
+    config: config_lib.ExperimentConfig
+    workdir: pathlib.Path
+    token: str
+    config_file: pathlib.Path
+    task: Any
+    data: Any
+    schedule: Any
+    procs: Processes
+    events: supervisor_lib.EventLog
+    supervisor: supervisor_lib.Supervisor
+    shaping: wan.Shaping = dataclasses.field(default_factory=wan.Shaping)
+    monitor: Any = None
+    injector: Any = None
 
 
 def run_decoupled(
@@ -132,13 +139,46 @@ def run_decoupled(
     Raises:
       RuntimeError: a child process failed (its log tail is in the message).
     """
+    t_start = time.perf_counter()
+    job = _prepare(config, workdir, corpus, task)
+    failed = handed = False
+    # Ctrl+C and SIGTERM run the `finally` below (children, namespaces), within a bound.
+    restore_signals = runtime.exit_on_signals()
+    try:
+        # The metric writers (a W&B run starts here), before any process is started.
+        writers = make_writers(job.config, job.workdir) + list(writers)
+        client, evaluator = _start(job)
+        handed = True  # the watch closes the writers, whatever happens there
+        status = poll.watch(
+            job.config, job.supervisor, client, evaluator, job.workdir, t_start, progress_s,
+            writers,
+        )  # fmt: skip
+        learners, params, eval_loss = _evaluate(job, client, evaluator)
+    except BaseException:
+        failed = True
+        if not handed:  # (a W&B run started above is finished, not left open)
+            close_all(writers)
+        raise
+    finally:
+        links = _tear_down(job, failed)
+        restore_signals()
+    summary = job_summary(
+        job.config, job.task, learners, status, evaluator, eval_loss, params, job.workdir,
+        job.events, links, t_start,
+    )  # fmt: skip
+    _write_summary(job, summary)
+    return summary, params, job.monitor
+
+
+def _prepare(
+    config: config_lib.ExperimentConfig, workdir: str | pathlib.Path | None, corpus: Any, task: Any
+) -> _Job:
+    """Everything checked and written before any process starts: config, token, task, data."""
     import tempfile
 
-    t_start = time.perf_counter()
     # Absolute: the children run from the package's root, not from the caller's directory.
     workdir = pathlib.Path(workdir or tempfile.mkdtemp(prefix="decoupled_")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-
     # Timeline (goodput) and, under `config.chaos`, the fault schedule and its controls.
     config, chaos_env, schedule = chaos_run.prepare_run(config, workdir)
     token = (
@@ -146,12 +186,8 @@ def run_decoupled(
         or os.environ.get(wire.TOKEN_ENV, "").strip()
         or secrets.token_hex(16)
     )
-    # The token goes to the syncers through the environment, never through the config file
-    # the learners read too: each learner gets only its own credential.
     config = config_lib.replace(config, **{"decoupled.syncer.token": ""})
     config_file = config_lib.write_config_file(config, workdir / "config.py")
-    port_file = workdir / "syncer.port"
-    port_file.unlink(missing_ok=True)
     task = task or tasks.make_task(config)  # fails here, before any process starts
     if corpus is None and task.dataset is None:
         dataset_lib.check_workdir_data(config, workdir)
@@ -163,116 +199,106 @@ def run_decoupled(
     )
     events = supervisor_lib.EventLog(workdir, time.monotonic())
     supervisor = supervisor_lib.Supervisor(procs, workdir / "timeline", events, config.supervisor)
-    injector = monitor = None
-    failed = handed = False
-    # Ctrl+C and SIGTERM run the `finally` below (children, namespaces), within a bound.
-    restore_signals = runtime.exit_on_signals()
-    shaping = wan.Shaping()
-    try:
-        # The metric writers (a W&B run starts here), before any process is started.
-        writers = make_writers(config, workdir) + list(writers)
-        shaping = _shaping(config, workdir, schedule)
-        ports, metrics_urls = _start_syncers(
-            config, config_file, workdir, port_file, supervisor, procs, shaping
-        )
-        address = shaping.address(ports)  # where this process (evaluator, status) reaches them
-        (workdir / "syncer.address").unlink(missing_ok=True)
-        if shaping.lab is not None:  # for `status --workdir`: the syncers are not on loopback
-            (workdir / "syncer.address").write_text(address)
-        # Owner-only, so that `status --workdir=WORKDIR` can watch this local run.
-        fd = os.open(workdir / "run_token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token)
-        print(
-            f"[decoupled] syncer at {address}; to watch it live from another terminal: "
-            f"{_python()} -m decoupled_diloco.status --workdir={_shown(workdir)} --watch",
-            flush=True,
-        )
-        if schedule is not None and config.supervisor.standby:  # warm spares for restarts
-            from decoupled_diloco.learner.standby import Spares
-
-            shapes = config_lib.parse_mesh_shapes(config)
-            supervisor.spares = Spares(
-                procs,
-                workdir / "standby",
-                config_file,
-                shapes,
-                config.supervisor.standby,
-                workdir / "timeline",
-            )
-
-        start_learner = _learner_starter(
-            config, workdir, config_file, token, ports, metrics_urls, shaping, supervisor
-        )
-        for i in range(config.num_learners):
-            start_learner(i)
-        # Joins and leaves: the chaos schedule's, and `status --add_learner/--remove_learner`.
-        supervisor.spawn, supervisor.scale_dir = start_learner, workdir
-        client = syncer_client(address, config.decoupled.syncer, token)
-        if config.monitor.enabled:
-            monitor = _start_monitor(config, address, token, workdir, metrics_urls)
-        supervisor.start_thread()
-        if schedule is not None:
-            injector = chaos_run.start_injector(schedule, supervisor, workdir, client)
-        evaluator = GlobalEvaluator(config, client, data, task)
-        handed = True  # the watch closes the writers, whatever happens there
-        status = poll.watch(
-            config, supervisor, client, evaluator, workdir, t_start, progress_s, writers
-        )
-        if injector is not None:
-            injector.halt.set()
-            supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval
-            client.wait_ready(120)
-        learners = _learner_summaries(supervisor, workdir)
-        params, eval_loss = evaluator()
-        if monitor is not None:  # the last poll, while the syncer still answers
-            monitor.finish(f"training finished: final eval loss {eval_loss:.4f}")
-        client.close()
-    except BaseException:
-        failed = True
-        if not handed:  # (a W&B run started above is finished, not left open)
-            close_all(writers)
-        raise
-    finally:
-        if injector is not None:
-            injector.halt.set()
-        try:
-            supervisor.stop()
-            procs.reap()
-        finally:
-            try:
-                links = {} if failed else shaping.report()  # (the kernel's counts, then gone)
-            finally:
-                shaping.close()  # (after the children are gone; even if a signal cut the above)
-        restore_signals()
-        if failed and monitor is not None:  # (after the children are gone: never delays them)
-            monitor.stop()
-    summary = _summary(
-        config,
-        task,
-        learners,
-        status,
-        evaluator,
-        eval_loss,
-        params,
-        workdir,
-        events,
-        links,
-        t_start,
+    return _Job(
+        config, workdir, token, config_file, task, data, schedule, procs, events, supervisor
     )
-    if (ledger := summary["data_ledger"]) is not None:  # the invariant, checked every run
-        _print_ledger(ledger)
+
+
+def _start(job: _Job) -> tuple[Any, GlobalEvaluator]:
+    """Starts the syncers, the learners, the supervisor, the page and the faults.
+
+    Returns the client of the syncers and the evaluator of their global model.
+    """
+    config, workdir, supervisor = job.config, job.workdir, job.supervisor
+    job.shaping = _shaping(config, workdir, job.schedule)
+    port_file = workdir / "syncer.port"
+    ports, metrics_urls = _start_syncers(
+        config, job.config_file, workdir, port_file, supervisor, job.procs, job.shaping
+    )
+    address = job.shaping.address(ports)  # where this process (evaluator, status) reaches them
+    (workdir / "syncer.address").unlink(missing_ok=True)
+    if job.shaping.lab is not None:  # for `status --workdir`: the syncers are not on loopback
+        (workdir / "syncer.address").write_text(address)
+    # Owner-only, so that `status --workdir=WORKDIR` can watch this local run.
+    fd = os.open(workdir / "run_token", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(job.token)
+    print(
+        f"[decoupled] syncer at {address}; to watch it live from another terminal: "
+        f"{_python()} -m decoupled_diloco.status --workdir={_shown(workdir)} --watch",
+        flush=True,
+    )
+    if job.schedule is not None and config.supervisor.standby:  # warm spares for restarts
+        from decoupled_diloco.learner.standby import Spares
+
+        supervisor.spares = Spares(
+            job.procs, workdir / "standby", job.config_file,
+            config_lib.parse_mesh_shapes(config), config.supervisor.standby, workdir / "timeline",
+        )  # fmt: skip
+    start_learner = _learner_starter(
+        config, workdir, job.config_file, job.token, ports, metrics_urls, job.shaping, supervisor
+    )
+    for i in range(config.num_learners):
+        start_learner(i)
+    # Joins and leaves: the chaos schedule's, and `status --add_learner/--remove_learner`.
+    supervisor.spawn, supervisor.scale_dir = start_learner, workdir
+    client = syncer_client(address, config.decoupled.syncer, job.token)
+    if config.monitor.enabled:
+        job.monitor = _start_monitor(config, address, job.token, workdir, metrics_urls)
+    supervisor.start_thread()
+    if job.schedule is not None:
+        job.injector = chaos_run.start_injector(job.schedule, supervisor, workdir, client)
+    return client, GlobalEvaluator(config, client, job.data, job.task)
+
+
+def _evaluate(job: _Job, client: Any, evaluator: GlobalEvaluator) -> tuple[list, Any, float]:
+    """After the watch: faults stopped, the learners' summaries, the global model evaluated."""
+    if job.injector is not None:
+        job.injector.halt.set()
+        job.supervisor.settle(timeout_s=300)  # a syncer killed late is back before the eval
+        client.wait_ready(120)
+    learners = learner_summaries(job.supervisor, job.workdir)
+    params, eval_loss = evaluator()
+    if job.monitor is not None:  # the last poll, while the syncer still answers
+        job.monitor.finish(f"training finished: final eval loss {eval_loss:.4f}")
+    client.close()
+    return learners, params, eval_loss
+
+
+def _tear_down(job: _Job, failed: bool) -> dict[str, Any]:
+    """Every child stopped and reaped, the links removed; what each link carried (if shaped).
+
+    Each step runs even if the one before it failed or a signal cut it short.
+    """
+    if job.injector is not None:
+        job.injector.halt.set()
     try:
-        path = write_summary(workdir, summary)
-        if schedule is not None:  # under faults: the picture of who did what when
-            chaos_run.write_timeline_png(workdir)
+        job.supervisor.stop()
+        job.procs.reap()
+    finally:
+        try:
+            links = {} if failed else job.shaping.report()  # (the kernel's counts, then gone)
+        finally:
+            job.shaping.close()  # (after the children are gone)
+            if failed and job.monitor is not None:  # (after the children: never delays them)
+                job.monitor.stop()
+    return links
+
+
+def _write_summary(job: _Job, summary: dict[str, Any]) -> None:
+    """summary.json (and under faults the timeline's picture); the page notes where it is."""
+    if (ledger := summary["data_ledger"]) is not None:  # the invariant, checked every run
+        print_ledger(ledger)
+    try:
+        path = write_summary(job.workdir, summary)
+        if job.schedule is not None:  # under faults: the picture of who did what when
+            chaos_run.write_timeline_png(job.workdir)
     except BaseException:
-        if monitor is not None:
-            monitor.stop()
+        if job.monitor is not None:
+            job.monitor.stop()
         raise
-    if monitor is not None:  # the page stays up (the caller stops it) with the final state
-        monitor.note(f"summary: {path}")
-    return summary, params, monitor
+    if job.monitor is not None:  # the page stays up (the caller stops it) with the final state
+        job.monitor.note(f"summary: {path}")
 
 
 def _learner_starter(
@@ -320,81 +346,6 @@ def _learner_starter(
             supervisor.add(name, command, learners=[i], env=env)
 
     return start_learner
-
-
-def _learner_summaries(
-    supervisor: supervisor_lib.Supervisor, workdir: pathlib.Path
-) -> list[dict[str, Any]]:
-    """The summaries of every learner that trained, the starting ones and those that joined.
-
-    (One asked to leave before it could write its summary has none.)
-    """
-    left = {i for c in supervisor.children.values() if c.left for i in c.learners}
-    paths = {i: workdir / f"learner_{i}.json" for i in supervisor.learner_ids()}
-    return [json.loads(p.read_text()) for i, p in paths.items() if i not in left or p.exists()]
-
-
-def _print_ledger(ledger: dict[str, Any]) -> None:
-    print(
-        f"[decoupled] data ledger: {ledger['consumed_once']} of {ledger['windows']} windows "
-        f"consumed once, {ledger['missing']} missing ({ledger['missing_pending']} in rounds "
-        f"still open), {ledger['repeated']} repeated; leases handed again "
-        f"{ledger['leases_handed_again']}",
-        flush=True,
-    )
-
-
-def _summary(
-    config: config_lib.ExperimentConfig,
-    task: Any,
-    learners: list[dict[str, Any]],
-    status: dict[str, Any],
-    evaluator: GlobalEvaluator,
-    eval_loss: float,
-    params: Any,
-    workdir: pathlib.Path,
-    events: supervisor_lib.EventLog,
-    links: dict[str, Any],
-    t_start: float,
-) -> dict[str, Any]:
-    """The job's summary: the learners' summaries, the syncer's last status, the evaluation."""
-    num_params = int(sum(x.size for x in jax.tree.leaves(params)))
-    return RunSummary(
-        config=config,
-        steps_done=_steps_done(config, learners, status.get("data_ledger")),
-        tokens=sum(x["tokens"] for x in learners),
-        wall_s=time.perf_counter() - t_start,
-        train_wall_s=max(x["train_wall_s"] for x in learners),
-        eval_metrics={"loss": eval_loss, **evaluator.metrics},
-        task=task.identity(),
-        token_unit=task.token_unit,
-        data=(evaluator.data_key, evaluator.data_facts),
-        final_train_loss=float(np.mean([x["final_loss"] for x in learners])),
-        outer_syncs=status["merges"],
-        params=num_params,
-        # Traffic of all learners' pushes and pulls (headers included), next to what a ring
-        # all-reduce of float32 gradients every step would have moved for the same steps.
-        bytes_sent=sum(x.get("bytes_sent", 0) for x in learners),
-        bytes_received=sum(x.get("bytes_received", 0) for x in learners),
-        dp_equivalent_bytes=sum(x["steps"] for x in learners)
-        * ring_allreduce_bytes(config.num_learners, num_params),
-        # Goodput, uptime, faults and recoveries (see `timeline` for the definitions).
-        resilience={
-            **chaos_run.chaos_summary(workdir, events, t_end=time.time()),
-            "max_staleness": status.get("max_staleness", 0),
-        },
-        extra={
-            "merge_sizes": status["merge_sizes"],
-            "fragments": status["fragments"],
-            "merge_log": status.get("merge_log", []),  # the syncer's last 200 merges
-            # Data leases (`syncer.ledger`): every window of the budget in the model once?
-            "data_ledger": status.get("data_ledger"),
-            "membership": status.get("membership", []),  # joins, restarts, leaves, losses
-            "stall_fraction_max": max(x["stall_fraction"] for x in learners),
-            "learners": learners,
-            **({"wan": links} if links else {}),  # `decoupled.wan_mbit`: what each link carried
-        },
-    ).as_dict()
 
 
 def _shaping(

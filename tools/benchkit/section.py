@@ -75,7 +75,7 @@ class Section:
     def __init__(self, name: str, argv: list[str] | None = None):
         self.name = name
         argv = sys.argv[1:] if argv is None else argv
-        shown = [a for a in argv if not a.startswith("--out=")]
+        shown = [a.replace(f"{ROOT}/", "") for a in argv]  # paths as a reader types them
         self.command = shlex.join(["python", "-m", f"tools.bench_{name}", *shown])
         self.date = f"{datetime.datetime.now():%Y-%m-%d %H:%M}"
         self.machine = machine_description()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pathlib
+import shutil
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -49,6 +50,7 @@ def serving(
     env: Mapping[str, str] = (),
     cpu: int | None = None,
     timeout_s: float = 300.0,
+    cleanup: bool = False,
 ) -> Iterator[Syncer]:
     """Starts a syncer, yields it once it serves, and reaps it at the end.
 
@@ -61,6 +63,7 @@ def serving(
       env: environment variables added to the launcher's child environment.
       cpu: pin it to this core (`taskset`), apart from the benchmark's own loop.
       timeout_s: how long it may take to serve.
+      cleanup: remove `directory` at the end (after the process is reaped).
 
     Raises:
       RuntimeError: it exited before serving (the tail of its log is in the message).
@@ -82,3 +85,5 @@ def serving(
         yield Syncer(proc, port, directory / "syncer.log")
     finally:
         procs.reap()
+        if cleanup:
+            shutil.rmtree(directory, ignore_errors=True)
