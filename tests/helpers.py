@@ -13,6 +13,8 @@ import numpy as np
 from decoupled_diloco.comm import wire
 from decoupled_diloco.core.fragments import TensorSpec, offset
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
+
 T = TypeVar("T")
 
 

@@ -1,14 +1,12 @@
 """The public surface: what IDEs see is what `dd.X` gives, `__version__`, and a light import."""
 
 import ast
-import pathlib
 import subprocess
 import sys
 import tomllib
 
 import decoupled_diloco as dd
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def _type_checking_imports() -> dict[str, tuple[str, str]]:

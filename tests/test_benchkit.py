@@ -2,15 +2,13 @@
 
 import ast
 import json
-import pathlib
 
 import pytest
 
+from tests.helpers import ROOT
 from tools import run_benchmarks
 from tools.benchkit import section as section_lib
 from tools.benchkit.syncer import serving
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_a_section_writes_its_text_and_its_claims_beside_it(tmp_path):

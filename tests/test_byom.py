@@ -9,7 +9,6 @@ example's own learner script), and every one of them is reaped.
 import dataclasses
 import json
 import os
-import pathlib
 import re
 import signal
 import subprocess
@@ -24,9 +23,8 @@ from flax import nnx
 
 import decoupled_diloco as dd
 from experiments.examples import mnist_cnn, own_loop
-from tests.helpers import popen_logged, wait_until
+from tests.helpers import ROOT, popen_logged, wait_until
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 20
 
 

@@ -4,7 +4,6 @@ The supervisor test uses real processes and real signals (a sleeping Python chil
 """
 
 import json
-import pathlib
 import statistics
 import sys
 import time
@@ -18,11 +17,9 @@ from decoupled_diloco.local.chaos_run import start_injector
 from decoupled_diloco.local.procs import Processes
 from decoupled_diloco.local.supervisor import EventLog, Supervisor
 from decoupled_diloco.obs import timeline as tl
-from tests.helpers import wait_until
+from tests.helpers import ROOT, wait_until
 
 R = tl.Record
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _write(path, text):

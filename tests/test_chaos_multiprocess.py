@@ -6,16 +6,14 @@ deadline, and reaps everything it started even when it fails.
 
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import assert_budget_trained_once
+from tests.helpers import ROOT, assert_budget_trained_once
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = [
     "--config=experiments/configs/tiny_lm.py",
     "--config.model.d_model=32",

@@ -2,15 +2,15 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers import ROOT
+
 pytestmark = pytest.mark.multiprocess  # starts real processes
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = [
     "--config=experiments/configs/tiny_lm.py",
     "--config.model.d_model=32",

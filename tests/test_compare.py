@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -12,9 +11,8 @@ from decoupled_diloco.config import write_config_file
 from decoupled_diloco.obs.tb import read_scalars
 from decoupled_diloco.tasks import make_task
 from tests.conftest import tiny_config
+from tests.helpers import ROOT
 from tests.test_writers import as_series, read_wandb
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,15 +1,13 @@
 """Bad configs fail before compilation with messages naming the field."""
 
 import importlib.util
-import pathlib
 
 import jax
 import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.config import ConfigError
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def _load_config_file(name):

@@ -18,9 +18,8 @@ import pytest
 
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
-from tests.helpers import assert_budget_trained_once, popen_logged, tail, wait_until
+from tests.helpers import ROOT, assert_budget_trained_once, popen_logged, tail, wait_until
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multiprocess-test-token"
 TINY = [
     f"--config={ROOT / 'experiments/configs/tiny_lm.py'}",

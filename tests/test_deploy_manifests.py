@@ -9,7 +9,6 @@ validates, and ports, addresses, shard indices, process counts, the token and TL
 import ast
 import functools
 import os
-import pathlib
 import re
 import shlex
 import subprocess
@@ -19,8 +18,8 @@ import pytest
 import yaml
 
 from decoupled_diloco import config as config_lib
+from tests.helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "experiments" / "deploy"
 MODULES = ("decoupled_diloco.syncer", "decoupled_diloco.learner")
 NAMESPACE = "dd"

@@ -1,12 +1,11 @@
 """The accelerator check script runs anywhere: here at tiny size on CPU (issue 20)."""
 
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 @pytest.mark.multiprocess

@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import math
-import pathlib
 import sys
 import threading
 import time
@@ -31,11 +30,11 @@ from decoupled_diloco.config import max_push_steps
 from decoupled_diloco.syncer.guard import Guard
 from decoupled_diloco.syncer.server import SyncerServer
 from decoupled_diloco.tasks import make_task
+from tests.helpers import ROOT
 from tests.test_syncer import _config as syncer_config
 
 TOKEN = "hostile-test-token"
 SERVICE = "/decoupled_diloco.Syncer/"
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ import sys
 
 import pytest
 
-from tests.helpers import assert_budget_trained_once
+from tests.helpers import ROOT, assert_budget_trained_once
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMMON = [
     "--config.num_learners=2",
     "--config.inner_steps=8",

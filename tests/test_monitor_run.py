@@ -18,12 +18,11 @@ import sys
 
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import ROOT, wait_until
 from tests.test_monitor import _status_code, base_name, documented_names, scrape
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCREENSHOT = ROOT / "docs" / "img" / "monitor_page.png"  # refreshed with DD_UPDATE_DOCS=1
 
 

@@ -18,9 +18,8 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.learner.multihost import ProcessGroup, local_device_count
 from decoupled_diloco.local import commands
-from tests.helpers import assert_budget_trained_once, popen_logged, tail, wait_until
+from tests.helpers import ROOT, assert_budget_trained_once, popen_logged, tail, wait_until
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "multihost-test-token"
 # Overrides of experiments/configs/tiny_lm.py: a tiny model, islands of 2 devices x 2 processes.
 TINY_VALUES = {

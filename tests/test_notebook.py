@@ -1,12 +1,11 @@
 """The Colab quickstart executes end to end (tiny config, no install) and shows its numbers."""
 
-import pathlib
-
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 NOTEBOOK = ROOT / "experiments" / "colab" / "quickstart.ipynb"
 
 pytestmark = pytest.mark.multiprocess  # a kernel process, a gRPC syncer and two learners

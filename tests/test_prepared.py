@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -22,9 +21,8 @@ from decoupled_diloco.data import tokenizer as tokenizer_lib
 from decoupled_diloco.data.text import default_corpus_root, is_validation
 from decoupled_diloco.models.mesh import make_island_mesh
 from tests.conftest import tiny_config
-from tests.helpers import wait_until
+from tests.helpers import ROOT, wait_until
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TEXT = "Packing keeps documents apart. Ünïcode too: 日本語, emoji 🙂.\nSecond line.\n"
 
 

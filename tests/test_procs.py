@@ -10,11 +10,10 @@ import textwrap
 import pytest
 
 from decoupled_diloco import runtime
-from tests.helpers import wait_until
+from tests.helpers import ROOT, wait_until
 
 pytestmark = pytest.mark.multiprocess  # starts real processes
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # A child that asks to die with its parent, says its pid, then waits to be killed.
 CHILD = "from decoupled_diloco.runtime import die_with_parent; import os, time; die_with_parent(); print(os.getpid(), flush=True); time.sleep(600)"  # noqa: E501

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def _fresh_python(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:

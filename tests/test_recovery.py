@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import pathlib
 import re
 import signal
 import subprocess
@@ -32,9 +31,8 @@ from decoupled_diloco.local.procs import free_port
 from decoupled_diloco.syncer.server import SyncerServer
 from decoupled_diloco.tasks import make_task
 from tests.conftest import tiny_config
-from tests.helpers import is_due, wait_until
+from tests.helpers import ROOT, is_due, wait_until
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = 150  # per learner, in the multi-process runs
 
 TOKEN = "recovery-test-token"

@@ -1,7 +1,6 @@
 """`python -m decoupled_diloco.status --watch`: the live table against a real syncer."""
 
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -13,10 +12,10 @@ from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.obs import watch
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.multiprocess  # starts real processes
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "watch-test-token"
 
 

@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tools.benchkit import ROOT
+
 _LINE = re.compile(r"first step ([\d.]+) s after ([^:]*): (.*)")
 
 

@@ -61,8 +61,8 @@ import time
 from decoupled_diloco import config as c
 from decoupled_diloco.local import runs, wan
 from decoupled_diloco.sim import bandwidth
+from tools.benchkit import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = "experiments/configs/tiny_lm_decoupled.py"
 SCALED_GBPS = (5.0, 2.0, 1.0, 0.5)
 QUICK_DP_STEPS = 20
