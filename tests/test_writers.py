@@ -7,6 +7,7 @@ event proto, W&B's record proto from its `.wandb` log (LevelDB log framing), pla
 import json
 import pathlib
 import struct
+import time
 
 import pytest
 
@@ -25,12 +26,26 @@ def _quiet_wandb(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
 
 
-def read_wandb(workdir: pathlib.Path) -> tuple[list[dict], dict]:
-    """The history rows (`wandb.log` calls) and the config of the offline run in `workdir`."""
+def read_wandb(workdir: pathlib.Path, timeout_s: float = 60.0) -> tuple[list[dict], dict]:
+    """The history rows (`wandb.log` calls) and the config of the offline run in `workdir`.
+
+    The run's file is written by W&B's own service process; on a loaded machine its history
+    records can land after `finish()` has returned, so this waits (up to `timeout_s`) until the
+    file stops growing and holds history.
+    """
+    (path,) = (workdir / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline, size = time.monotonic() + timeout_s, -1
+    while True:
+        rows, run_config = _parse_wandb(path.read_bytes())
+        grown, size = path.stat().st_size != size, path.stat().st_size
+        if (rows and not grown) or time.monotonic() > deadline:
+            return rows, run_config
+        time.sleep(0.5)
+
+
+def _parse_wandb(data: bytes) -> tuple[list[dict], dict]:
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = (workdir / "wandb").glob("offline-run-*/run-*.wandb")
-    data = path.read_bytes()
     assert data[:4] == b":W&B"
     block, pos, payload, rows, run_config = 32768, 7, b"", [], {}
     while pos + 7 <= len(data):
