@@ -68,8 +68,8 @@ _EXPORTS = {
     "DiLoCoOuter": "decoupled_diloco.trainers",
     "DiLoCoTrainer": "decoupled_diloco.trainers",
     # The decoupled processes, in one process or many.
-    "Learner": "decoupled_diloco.learner.loop",
-    "DecoupledSync": "decoupled_diloco.learner.link",
+    "Learner": "decoupled_diloco.learner.learner",
+    "DecoupledSync": "decoupled_diloco.learner.sync",
     "SyncerServer": "decoupled_diloco.syncer.server",
     "SyncerClient": "decoupled_diloco.comm.client",
     # The client `DecoupledSync(client=)` takes: of one syncer, or of its S shards.
@@ -113,8 +113,8 @@ if TYPE_CHECKING:  # the same names, eagerly, for IDEs and type checkers (tests/
     from decoupled_diloco.data.prepare import prepare
     from decoupled_diloco.data.tokenizer import load_tokenizer, train_bpe
     from decoupled_diloco.island import Island
-    from decoupled_diloco.learner.link import DecoupledSync
-    from decoupled_diloco.learner.loop import Learner
+    from decoupled_diloco.learner.learner import Learner
+    from decoupled_diloco.learner.sync import DecoupledSync
     from decoupled_diloco.obs.report import write_report
     from decoupled_diloco.obs.timeline import analyze as analyze_goodput
     from decoupled_diloco.obs.timeline import load as load_timeline

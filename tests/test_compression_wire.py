@@ -15,7 +15,7 @@ from decoupled_diloco.comm import wire
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.core import compression as C
 from decoupled_diloco.core import fragments as F
-from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.learner.learner import Learner
 from decoupled_diloco.learner.recovery import LearnerCheckpoints
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.learner.learner import Learner
 from decoupled_diloco.syncer.server import SyncerServer
 from tests.conftest import tiny_config
 from tests.helpers import due_fragments

@@ -21,7 +21,7 @@ from decoupled_diloco.learner import mesh_merge
 from decoupled_diloco.learner.bridge import HostBridge
 from decoupled_diloco.learner.encoder import MeshEncoder
 from decoupled_diloco.learner.fragment import FragmentState
-from decoupled_diloco.learner.progress import LinkCounters
+from decoupled_diloco.learner.progress import SyncCounters
 from decoupled_diloco.learner.round_trip import Inbound
 
 Params = Any
@@ -48,7 +48,7 @@ class Arrivals:
         treedef: Any,
         shardings: list[jax.sharding.Sharding],
         states: list[FragmentState],
-        counters: LinkCounters,
+        counters: SyncCounters,
         encoder: MeshEncoder,
         bridge: HostBridge,
     ):

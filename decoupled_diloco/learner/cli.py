@@ -22,7 +22,7 @@ from absl import app, flags
 from decoupled_diloco import config as config_lib
 from decoupled_diloco import runtime
 from decoupled_diloco.chaos import faults as chaos
-from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.learner.learner import Learner
 from decoupled_diloco.obs.timeline import Timeline
 from decoupled_diloco.runtime import die_with_parent
 

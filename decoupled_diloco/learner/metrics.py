@@ -1,6 +1,6 @@
 """A learner's Prometheus metrics, read from the learner at each scrape (docs/operations.md).
 
-`LearnerMetrics(learner)` is a `prometheus_client` collector over a `loop.Learner` and its link:
+`LearnerMetrics(learner)` is a `prometheus_client` collector over a `learner.Learner` and its link:
 step, tokens, loss, step time, stall, state, traffic, pushes by outcome, restarts; push and pull
 latencies are histograms, observed as each round trip ends (`DecoupledSync.on_trip`). Every
 sample carries the `learner` label.

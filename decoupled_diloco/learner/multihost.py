@@ -47,9 +47,9 @@ import numpy as np
 from decoupled_diloco.config import ConfigError, ExperimentConfig
 from decoupled_diloco.core.fragments import TensorSpec
 from decoupled_diloco.learner.bridge import Anchors
-from decoupled_diloco.learner.link import DecoupledSync
-from decoupled_diloco.learner.loop import Learner
+from decoupled_diloco.learner.learner import Learner
 from decoupled_diloco.learner.round_trip import Inbound
+from decoupled_diloco.learner.sync import DecoupledSync
 
 # Seconds without a heartbeat before the coordination service declares a process dead and
 # aborts the island's other processes (JAX's default is 100 s, slow for a failure test).

@@ -1,6 +1,6 @@
 """What a link reports of its progress: its counters, and the heartbeats that send them.
 
-`LinkCounters` is the link's progress and traffic accounting, written by the step loop and by
+`SyncCounters` is the link's progress and traffic accounting, written by the step loop and by
 the round trips' worker threads. `Heartbeats` sends them: its thread starts at registration
 (`DecoupledSync.connect`) and sends one heartbeat every `decoupled.syncer.heartbeat_s` until
 the link's `stop` is set; `DecoupledSync.close` then sends a last one, state "done". Only a
@@ -22,7 +22,7 @@ from decoupled_diloco.learner.schedule import Schedule
 
 
 @dataclasses.dataclass
-class LinkCounters:
+class SyncCounters:
     """A link's progress, time and push accounting (its summary and metrics read them)."""
 
     step: int = 0  # inner steps done
@@ -69,7 +69,7 @@ class Heartbeats:
         self,
         client: Any,
         learner_id: int,
-        counters: LinkCounters,
+        counters: SyncCounters,
         schedule: Schedule,
         versions: Callable[[], list[int]],
         interval_s: float,

@@ -33,7 +33,7 @@ from decoupled_diloco.learner.encoder import MeshEncoder
 from decoupled_diloco.learner.fragment import FragmentState
 from decoupled_diloco.learner.inbox import Inbox
 from decoupled_diloco.learner.outbox import Outbox
-from decoupled_diloco.learner.progress import LinkCounters
+from decoupled_diloco.learner.progress import SyncCounters
 from decoupled_diloco.learner.round_trip import Inbound, Late, Outgoing, Trip, round_trip
 
 Params = Any
@@ -68,7 +68,7 @@ class Pusher:
         partition: list[list[TensorSpec]],
         treedef: Any,
         states: list[FragmentState],
-        counters: LinkCounters,
+        counters: SyncCounters,
         encoder: MeshEncoder,
         inbox: Inbox,
         bridge: HostBridge,

@@ -25,7 +25,7 @@ import numpy as np
 
 # A heartbeat's counters (bytes, rounds, phase step) are at most this (int64 sums stay safe).
 MAX_COUNTER = 1 << 48
-# Learner states a heartbeat may report (`learner.link`).
+# Learner states a heartbeat may report (`learner.sync`).
 STATES = frozenset({"training", "done"})
 
 # An all-zero fragment (e.g. only biases at init) still admits outer gradients of RMS ≤ this

@@ -49,7 +49,7 @@ from decoupled_diloco.learner.bridge import Anchors, HostBridge, LocalBridge
 from decoupled_diloco.learner.encoder import MeshEncoder
 from decoupled_diloco.learner.fragment import FragmentState
 from decoupled_diloco.learner.inbox import Inbox
-from decoupled_diloco.learner.progress import Heartbeats, LinkCounters
+from decoupled_diloco.learner.progress import Heartbeats, SyncCounters
 from decoupled_diloco.learner.push import Pusher
 from decoupled_diloco.learner.round_trip import Trip
 from decoupled_diloco.learner.schedule import Schedule
@@ -139,7 +139,7 @@ class DecoupledSync:
         self._last: Params = None  # the parameters of the last `step_done`, for the exit flush
         num = len(self.partition)
         self.states = [FragmentState() for _ in range(num)]
-        self.counters = LinkCounters()
+        self.counters = SyncCounters()
         # When each fragment is due (`learner.schedule`: staggered, every H or DyLU's H).
         self.schedule = Schedule(num, config.inner_steps, d.dynamic_local_updates)
         self.inbox = Inbox()

@@ -5,7 +5,7 @@ r"""A learner: inner steps on its own mesh; its `DecoupledSync` link syncs fragm
 
 (flags: `__main__`, wiring: `cli`). The step loop is the island's jit-compiled inner step on
 batches of the data leases the syncer hands this learner (or of its static shard: `leases`);
-between steps it calls its link (`link.DecoupledSync`): `apply_arrivals` before a step,
+between steps it calls its link (`sync.DecoupledSync`): `apply_arrivals` before a step,
 `step_done` after it. The link pushes each fragment's outer gradient when it is due, with the
 leased batches it trained on, and merges the merged fragment back when it arrives; the loop
 never waits for the syncer. `leave()` (SIGTERM) ends the loop at the next step: the learner
@@ -39,7 +39,7 @@ from decoupled_diloco.config import (
 from decoupled_diloco.data.dataset import check_checkpointable, load_dataset
 from decoupled_diloco.island import Island
 from decoupled_diloco.learner import leases, recovery
-from decoupled_diloco.learner.link import DecoupledSync
+from decoupled_diloco.learner.sync import DecoupledSync
 
 
 class Learner:
