@@ -103,3 +103,16 @@ def test_a_syncer_that_cannot_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="syncer exited early"):
         with serving(broken, tmp_path, token="t", timeout_s=120):
             pass
+
+
+def test_a_section_written_in_parts_keeps_every_parts_claims(tmp_path):
+    out = tmp_path / "scale.md"
+    first = section_lib.Section("scale", argv=["--section=syncer"])
+    first.claim("peak", 2.4, unit="×", headline=True)
+    first.append(out, "### Syncer\n")
+    second = section_lib.Section("scale", argv=["--section=memory"])
+    second.claim("compiled bytes", 7, unit="GB")
+    second.append(out, "### Memory\n")
+    (record,) = section_lib.load_claims(tmp_path)
+    assert [c["figure"] for c in record["claims"]] == ["peak", "compiled bytes"]
+    assert out.read_text() == "### Syncer\n\n### Memory\n" and not record["stale"]

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from tools.benchkit import ROOT, serving
+from tools.benchkit import ROOT, Section, serving
 
 TOKEN = "bench-scale"
 CPU = {"JAX_PLATFORMS": "cpu"}
@@ -464,13 +464,43 @@ def precision(steps: int) -> list[str]:
 
 
 def _write(out: str, title: str, text: str, lines: list[str]) -> None:
-    """Prints a section and appends it to `out` (if given)."""
-    section = "\n".join([title, "", text, "", *lines, ""])
-    print(section)
-    if out:
-        path = pathlib.Path(out)
-        old = path.read_text() if path.exists() else ""
-        path.write_text(old + ("\n" if old else "") + section)
+    """Prints a part of the section and appends it to `out` (if given)."""
+    Section("scale").append(out, "\n".join([title, "", text, "", *lines, ""]))
+
+
+def _claims(section: Section, cells: list[dict], memcpy: float) -> None:
+    """The syncer's round peak over the model's bytes at the largest size, and merge speed."""
+    done = [c for c in cells if not c.get("skipped")]
+    if not done:
+        return
+    largest = max(done, key=lambda c: c["bytes"])
+    at_size = [c for c in done if c["size"] == largest["size"]]
+    peak = max(r["hwm"] / c["bytes"] for c in at_size for r in c["rows"])
+    ms = ", ".join(str(c["learners"]) for c in at_size)
+    section.claim(
+        f"syncer round peak ÷ model bytes at {largest['size']}, M = {ms}",
+        round(peak, 1),
+        unit="×",
+        goal="≤ 4×",
+        met=peak <= 4.0,
+        headline=True,
+        section="Syncer at scale",
+    )
+    rates = [
+        c["learners"] * c["bytes"] / r["merge_s"] / 1e9 / memcpy
+        for c in done
+        for r in c["rows"]
+        if r["merge_s"]
+    ]
+    if rates:
+        section.claim(
+            "syncer merge throughput ÷ memcpy (slowest round)",
+            round(min(rates), 2),
+            unit="× memcpy",
+            goal="≥ 0.3",
+            met=min(rates) >= 0.3,
+            section="Syncer at scale",
+        )
 
 
 def main() -> None:
@@ -582,7 +612,9 @@ def main() -> None:
         + (f" --snapshots_kept={args.snapshots_kept}" if args.snapshots_kept != 3 else "")
         + (f" --out={args.out}" if args.out else "")
     )
-    section = "\n".join(
+    section = Section("scale")
+    _claims(section, cells, memcpy)
+    text = "\n".join(
         [
             f"### Syncer at scale{': ' + args.label if args.label else ''}",
             "",
@@ -596,11 +628,7 @@ def main() -> None:
             "",
         ]
     )
-    print(section)
-    if args.out:
-        path = pathlib.Path(args.out)
-        old = path.read_text() if path.exists() else ""
-        path.write_text(old + ("\n" if old else "") + section)
+    section.append(args.out, text)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,30 @@ class Section:
         path.parent.mkdir(parents=True, exist_ok=True)
         text = text if text.endswith("\n") else text + "\n"
         path.write_text(text)
+        self._record(path, text, title)
+
+    def append(self, out: str | pathlib.Path | None, text: str) -> None:
+        """Prints `text` and appends it to `out`: one part of a section written in parts.
+
+        The claims are merged into those `out`'s record holds (a claim of the same figure is
+        replaced), so each part, run in its own process, keeps the others'.
+        """
+        print(text, flush=True)
+        if not out:
+            return
+        path = pathlib.Path(out)
+        old = path.read_text() if path.exists() else ""
+        whole = old + ("\n" if old else "") + (text if text.endswith("\n") else text + "\n")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(whole)
+        record = path.with_suffix(".json")
+        if record.exists() and old:
+            mine = {c.figure for c in self.claims}
+            earlier = json.loads(record.read_text()).get("claims", [])
+            self.claims = [Claim(**c) for c in earlier if c["figure"] not in mine] + self.claims
+        self._record(path, whole, "")
+
+    def _record(self, path: pathlib.Path, text: str, title: str) -> None:
         record = {
             "benchmark": self.name,
             "title": title or text.lstrip().splitlines()[0].lstrip("# ").strip(),
