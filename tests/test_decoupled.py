@@ -7,6 +7,7 @@ it started even when it fails.
 
 import email
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -116,6 +117,10 @@ def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
         assert summary["tokens"] == 8 * 32 * sum(x["steps"] for x in summary["learners"])
         assert summary["tokens"] >= 2 * 64 * 8 * 32 and summary["steps_done"] == 64
         assert summary["final_eval_loss"] < 4.5  # ln(256) = 5.55 at init
+        # Bits per byte of the global model: on a byte corpus, nats per byte / ln 2.
+        assert summary["final_eval_bpb"] == pytest.approx(summary["final_eval_loss"] / math.log(2))
+        evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").open() if "eval_bpb" in x]
+        assert evals and all(e["eval_bpb"] > 0 for e in evals)
         assert [x["mesh"] for x in summary["learners"]] == ["1x1", "2x1"]
         assert_budget_trained_once(summary, learners=2)
         # Both learners' pushes were merged, and each applied merged fragments it did not

@@ -413,3 +413,24 @@ def test_a_run_resumed_on_data_of_another_tokenizer_is_refused(tmp_path, prepare
     moved = config_lib.replace(config, **{"data.path": str(other)})
     with pytest.raises(config_lib.ConfigError, match="tokenized by 'bytes:v1'.*fresh workdir"):
         train_and_evaluate(moved, tmp_path / "run")
+
+
+def test_bits_per_byte_counts_the_text_the_validation_targets_stand_for(tmp_path, bpe):
+    import math
+
+    from decoupled_diloco.data.heldout import held_out
+
+    by_bytes = packed.PreparedDataset(_prepare_docs(tmp_path / "b", "bytes"), seq_len=32)
+    held = held_out(by_bytes, batch_size=4, num_batches=2)
+    targets = np.concatenate([b["tokens"][:, 1:].ravel() for b in held.batches])
+    assert held.targets == 2 * 4 * 32 == targets.size
+    assert held.nbytes == int((targets != 256).sum())  # a byte a token; the end of a doc: none
+
+    by_bpe = packed.PreparedDataset(_prepare_docs(tmp_path / "p", str(bpe.path)), seq_len=32)
+    held = held_out(by_bpe, batch_size=4, num_batches=2)
+    ids = np.concatenate([b["tokens"][:, 1:].ravel() for b in held.batches])
+    raw = bpe._tokenizer  # byte-level BPE: a token's string has one character per byte
+    expected = sum(len(raw.id_to_token(int(i))) for i in ids if int(i) != bpe.eos_id)
+    assert held.nbytes == expected and expected > held.targets  # more than a byte a token
+    bpb = held.with_bpb({"loss": 1.5})["bpb"]
+    assert bpb == pytest.approx(1.5 * held.targets / math.log(2) / expected)

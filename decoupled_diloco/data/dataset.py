@@ -7,11 +7,14 @@ batches to everyone, and a description for `summary.json`:
         def train_iterator(self, batch_size, learner_id, num_learners, seed): ...
         def validation_batches(self, batch_size, num_batches): ...   # a list of batches
         def describe(self): return "dataset", {"name": "mine"}       # optional
+        def validation_bytes(self, batch_size, num_batches): ...     # optional: bits per byte
 
 A training iterator yields batches (an array with a leading batch axis, or a dict of them). A
 grain `DatasetIterator` (or any iterator with `get_state`/`set_state`) can be checkpointed; a
 plain generator or numpy iterator works too, but only in runs without checkpoints
-(`checkpoint.every = 0`): `check_checkpointable` says so when the run starts.
+(`checkpoint.every = 0`): `check_checkpointable` says so when the run starts. A dataset of
+token windows that says how many UTF-8 bytes of text its validation targets stand for
+(`validation_bytes`) gets bits per byte in every evaluation (`data.heldout`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class TextDataset:
         return data_lib.validation_batches(
             self.corpus.val_BN, self.seq_len, batch_size, num_batches
         )
+
+    def validation_bytes(self, batch_size: int, num_batches: int) -> int:
+        """The bytes the validation targets stand for: one per target (the corpus is bytes)."""
+        return num_batches * batch_size * self.seq_len
 
     def describe(self) -> tuple[str, dict[str, Any]]:
         """The corpus root, file count and split sizes in tokens."""

@@ -250,6 +250,21 @@ class PreparedDataset:
             for b in range(num_batches)
         ]
 
+    def validation_bytes(self, batch_size: int, num_batches: int) -> int:
+        """The UTF-8 bytes of text the validation batches' targets stand for (bits per byte).
+
+        Each window's targets (all but its first token) decoded with the corpus's tokenizer;
+        end-of-document tokens stand for no text. A window that starts or ends inside a
+        multi-byte character counts its replacement character instead (a few bytes in
+        thousands).
+        """
+        tokenizer = self.tokenizer()
+        return sum(
+            len(tokenizer.decode(row[1:]).encode("utf-8"))
+            for batch in self.validation_batches(batch_size, num_batches)
+            for row in batch["tokens"]
+        )
+
     def describe(self) -> tuple[str, dict[str, Any]]:
         """The directory, tokenizer and split sizes (for `summary.json`)."""
         totals = self.manifest["totals"]

@@ -10,6 +10,7 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.core import fragments
 from decoupled_diloco.data.dataset import describe, load_dataset
+from decoupled_diloco.data.heldout import held_out
 from decoupled_diloco.island import Island
 
 
@@ -34,7 +35,7 @@ class GlobalEvaluator:
         self.num_leaves = len(specs)
         dataset = load_dataset(config, corpus, self.island.task)
         self.data_key, self.data_facts = describe(dataset)  # for the run's summary
-        self.batches = dataset.validation_batches(config.data.batch_size, config.eval.batches)
+        self.held_out = held_out(dataset, config.data.batch_size, config.eval.batches)
         self.metrics: dict[str, float] = {}
 
     def params(self) -> Any:
@@ -47,9 +48,15 @@ class GlobalEvaluator:
         return jax.tree.unflatten(jax.tree.structure(self.island.abstract_params), leaves)
 
     def __call__(self) -> tuple[Any, float]:
-        """(global parameters, their mean validation loss); all metrics go to `metrics`."""
+        """(global parameters, their mean validation loss); all metrics go to `metrics`.
+
+        `metrics` holds the loss and the task's other metrics, and bits per byte (`bpb`) where
+        the data knows its bytes (`data.heldout`).
+        """
         params = self.params()
-        self.metrics = self.island.evaluate_metrics(params, self.batches)
+        self.metrics = self.held_out.with_bpb(
+            self.island.evaluate_metrics(params, self.held_out.batches)
+        )
         return params, self.metrics["loss"]
 
     def event(self) -> dict[str, float]:

@@ -201,6 +201,8 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
         ("outer syncs (merges)", str(s.get("outer_syncs"))),
         ("parameters", f"{s.get('params', 0):,}"),
     ]
+    if "final_eval_bpb" in s:  # (token data whose bytes are known: `data.heldout`)
+        rows.insert(7, ("final eval bits per byte", _fmt(s["final_eval_bpb"], ".4f")))
     if "stall_fraction_max" in s:
         rows.append(("largest learner stall", f"{100 * s['stall_fraction_max']:.2f}%"))
     goodput = run.goodput()
