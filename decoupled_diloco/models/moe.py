@@ -46,9 +46,12 @@ from flax import nnx
 from decoupled_diloco.config import ModelConfig, MoEConfig
 from decoupled_diloco.models.transformer import (
     Attention,
+    Decoding,
+    KVCache,
     Params,
     Segments,
     check_vocab,
+    final_logits,
     inputs,
     sharded_init,
 )
@@ -166,6 +169,15 @@ class MoEBlock(nnx.Module):
         y_GSD, routing = self.moe(h_GSD)
         return x_ND + y_GSD.reshape(x_ND.shape).astype(x_ND.dtype), routing
 
+    def decode(
+        self, x_ND: jax.Array, batch: int, cache: KVCache, at: Decoding
+    ) -> tuple[jax.Array, KVCache]:
+        """`__call__` for decoding: attention over the cache; this call's tokens routed."""
+        h_ND, cache = self.attn.decode(self.attn_norm(x_ND), batch, cache, at)
+        x_ND = x_ND + h_ND
+        y_GSD, _ = self.moe(self.mlp_norm(x_ND).reshape(batch, -1, x_ND.shape[-1]))
+        return x_ND + y_GSD.reshape(x_ND.shape).astype(x_ND.dtype), cache
+
 
 class MoETransformer(nnx.Module):
     """Decoder-only MoE LM: token ids (B, T) to logits (B, T, V) and per-layer routings."""
@@ -203,9 +215,7 @@ class MoETransformer(nnx.Module):
         for block in self.blocks:
             x_ND, routing = block(x_ND, batch, segments)
             routings.append(routing)
-        x_ND = self.final_norm(x_ND)
-        logits_NV = self.embed.attend(x_ND) if self.unembed is None else self.unembed(x_ND)
-        return logits_NV.reshape(batch, seq_len, -1).astype(jnp.float32), routings
+        return final_logits(self, x_ND).reshape(batch, seq_len, -1), routings
 
 
 def moe_lm_metrics(

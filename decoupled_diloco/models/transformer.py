@@ -50,6 +50,24 @@ def rotary(x_BTNH: jax.Array, base: float, positions_BT: jax.Array | None = None
     return rotated.astype(x_BTNH.dtype)
 
 
+class KVCache(NamedTuple):
+    """One attention layer's keys and values of the tokens decoded so far (B, S, N, H)."""
+
+    k_BSNH: jax.Array
+    v_BSNH: jax.Array
+
+
+class Decoding(NamedTuple):
+    """Where a decoding call's tokens go in the caches.
+
+    Prompts of different lengths are right-aligned: row b's tokens before `start_B[b]` are
+    padding, masked out of attention, and its positions count from `start_B[b]`.
+    """
+
+    position: jax.Array  # () int32: the cache slot of this call's first token
+    start_B: jax.Array  # (B,) int32: each row's first real token
+
+
 class Segments(NamedTuple):
     """Packed documents in a batch of windows: which document each token is of, and where."""
 
@@ -126,6 +144,37 @@ class Attention(nnx.Module):
         )
         return self.out(o_BTNH.reshape(tokens, d_model))
 
+    def decode(
+        self, x_ND: jax.Array, batch: int, cache: KVCache, at: Decoding
+    ) -> tuple[jax.Array, KVCache]:
+        """Causal attention of this call's tokens over the cached ones and themselves.
+
+        The tokens' keys and values are written into `cache` at `at.position` (the same
+        projections and rotary positions as `__call__`); returns the output and the cache.
+        """
+        tokens, d_model = x_ND.shape
+        steps = tokens // batch
+        shape = (batch, steps, self.num_heads, d_model // self.num_heads)
+        q_BTNH, k_BTNH, v_BTNH = (f(x_ND).reshape(shape) for f in (self.q, self.k, self.v))
+        slots_T = at.position + jnp.arange(steps)
+        positions_BT = slots_T[None, :] - at.start_B[:, None]
+        q_BTNH = rotary(q_BTNH, self.rope_base, positions_BT)
+        k_BTNH = rotary(k_BTNH, self.rope_base, positions_BT)
+        at_slot = (0, at.position, 0, 0)
+        cache = KVCache(
+            jax.lax.dynamic_update_slice(cache.k_BSNH, k_BTNH.astype(cache.k_BSNH.dtype), at_slot),
+            jax.lax.dynamic_update_slice(cache.v_BSNH, v_BTNH.astype(cache.v_BSNH.dtype), at_slot),
+        )
+        slots_S = jnp.arange(cache.k_BSNH.shape[1])
+        visible_BTS = (slots_S[None, None, :] <= slots_T[None, :, None]) & (
+            slots_S[None, None, :] >= at.start_B[:, None, None]
+        )
+        o_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, cache.k_BSNH.astype(q_BTNH.dtype), cache.v_BSNH.astype(q_BTNH.dtype),
+            mask=visible_BTS[:, None], implementation="xla",
+        )  # fmt: skip
+        return self.out(o_BTNH.reshape(tokens, d_model)), cache
+
 
 class SwiGLU(nnx.Module):
     """Gated MLP: down(silu(gate(x)) * up(x))."""
@@ -161,6 +210,14 @@ class Block(nnx.Module):
         x_ND = x_ND + self.attn(self.attn_norm(x_ND), *attn_args)
         return x_ND + self.mlp(self.mlp_norm(x_ND))
 
+    def decode(
+        self, x_ND: jax.Array, batch: int, cache: KVCache, at: Decoding
+    ) -> tuple[jax.Array, KVCache]:
+        """`__call__` for decoding: attention over the cache (`Attention.decode`)."""
+        h_ND, cache = self.attn.decode(self.attn_norm(x_ND), batch, cache, at)
+        x_ND = x_ND + h_ND
+        return x_ND + self.mlp(self.mlp_norm(x_ND)), cache
+
 
 class Transformer(nnx.Module):
     """Decoder-only language model mapping token ids (B, T) to logits (B, T, V)."""
@@ -193,9 +250,14 @@ class Transformer(nnx.Module):
         x_ND = self.embed(tokens_BT.reshape(-1))
         for block in self.blocks:
             x_ND = (_remat_block if self.remat else _block)(block, x_ND, batch, segments)
-        x_ND = self.final_norm(x_ND)
-        logits_NV = self.embed.attend(x_ND) if self.unembed is None else self.unembed(x_ND)
-        return logits_NV.reshape(batch, seq_len, -1).astype(jnp.float32)
+        return final_logits(self, x_ND).reshape(batch, seq_len, -1)
+
+
+def final_logits(model: Any, x_ND: jax.Array) -> jax.Array:
+    """A language model's final norm and (tied) unembedding: float32 logits (N, V)."""
+    x_ND = model.final_norm(x_ND)
+    logits_NV = model.embed.attend(x_ND) if model.unembed is None else model.unembed(x_ND)
+    return logits_NV.astype(jnp.float32)
 
 
 def _block(block: Block, x_ND: jax.Array, batch: int, segments: Segments | None) -> jax.Array:
