@@ -77,6 +77,9 @@ _EXPORTS = {
     # The outer math every mode shares.
     "outer_gradient": "decoupled_diloco.core.outer",
     "outer_round": "decoupled_diloco.core.outer",
+    # A trained model: its files, back as an nnx model, and text from it.
+    "load_model": "decoupled_diloco.export",
+    "generate": "decoupled_diloco.sample",
     # Goodput and reports.
     "analyze_goodput": ("decoupled_diloco.obs.timeline", "analyze"),
     "load_timeline": ("decoupled_diloco.obs.timeline", "load"),
@@ -112,6 +115,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for IDEs and type checkers (tests/
     from decoupled_diloco.data.packed import PreparedDataset
     from decoupled_diloco.data.prepare import prepare
     from decoupled_diloco.data.tokenizer import load_tokenizer, train_bpe
+    from decoupled_diloco.export import load_model
     from decoupled_diloco.island import Island
     from decoupled_diloco.learner.learner import Learner
     from decoupled_diloco.learner.sync import DecoupledSync
@@ -120,6 +124,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for IDEs and type checkers (tests/
     from decoupled_diloco.obs.timeline import load as load_timeline
     from decoupled_diloco.optim import make_inner_optimizer
     from decoupled_diloco.runtime import configure_cpu_devices
+    from decoupled_diloco.sample import generate
     from decoupled_diloco.syncer.server import SyncerServer
     from decoupled_diloco.tasks import Task, make_task, model_config
     from decoupled_diloco.train import RunResult, train_and_evaluate

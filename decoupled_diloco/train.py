@@ -151,6 +151,7 @@ def train_and_evaluate(
         summary, params, monitor = run_decoupled(
             config, workdir, corpus=corpus, task=task, writers=writers
         )
+        _keep_model(config, workdir, summary, params)
         return RunResult(summary=summary, params=params, monitor=monitor)
     devices = list(devices if devices is not None else _default_devices(config))
     config_lib.validate(config, device_count=len(devices))
@@ -169,13 +170,32 @@ def train_and_evaluate(
 
         summary = run_synchronous(config, pathlib.Path(workdir))
         params = _final_params(config, devices, corpus, pathlib.Path(workdir), task)
+        _keep_model(config, workdir, summary, params)
         return RunResult(summary=summary, params=params)
     workdir = pathlib.Path(workdir) if workdir is not None else None
     run = InProcessRun(
         config, workdir, devices, task, corpus, stop_after, supervised_controls, writers
     )
     summary, params = run.run()
+    if not supervised:  # (a supervised child's parent keeps it, from the last checkpoint)
+        _keep_model(config, workdir, summary, params)
     return RunResult(summary=summary, params=params)
+
+
+def _keep_model(
+    config: config_lib.ExperimentConfig,
+    workdir: str | pathlib.Path | None,
+    summary: dict[str, Any],
+    params: Params | None,
+) -> None:
+    """The final global model in `workdir/model/` (`decoupled_diloco.export`), for sampling."""
+    if workdir is None or params is None or summary.get("steps_done", 0) < config.train_steps:
+        return  # (a run stopped early keeps its checkpoints, not a final model)
+    from decoupled_diloco import export
+
+    facts = {k: summary.get(k) for k in ("mode", "num_learners", "steps_done", "tokens")}
+    facts.update({k: v for k, v in summary.items() if k.startswith("final_eval_")})
+    export.save_model(pathlib.Path(workdir) / export.MODEL_DIR, params, config, facts)
 
 
 def _final_params(

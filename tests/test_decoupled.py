@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+import decoupled_diloco as dd
 from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from tests.helpers import ROOT, assert_budget_trained_once, popen_logged, tail, wait_until
@@ -121,6 +122,11 @@ def test_two_learners_with_different_meshes_train_to_the_end(tmp_path):
         assert summary["final_eval_bpb"] == pytest.approx(summary["final_eval_loss"] / math.log(2))
         evals = [json.loads(x) for x in (tmp_path / "metrics.jsonl").open() if "eval_bpb" in x]
         assert evals and all(e["eval_bpb"] > 0 for e in evals)
+        # The syncer's global model, kept as the run's model: loaded and sampled from outside.
+        trained = dd.load_model(tmp_path)
+        assert trained.info["mode"] == "decoupled"
+        assert trained.info["final_eval_loss"] == summary["final_eval_loss"]
+        assert isinstance(dd.generate(trained, "def ", max_new_tokens=4, temperature=0.0), str)
         assert [x["mesh"] for x in summary["learners"]] == ["1x1", "2x1"]
         assert_budget_trained_once(summary, learners=2)
         # Both learners' pushes were merged, and each applied merged fragments it did not

@@ -26,6 +26,7 @@ LAYERS = {
     "checkpointing": 2,
     "island": 2,
     "planning": 3,
+    "export": 3,
     "chaos": 3,
     "obs": 3,
     "sim": 3,
@@ -37,6 +38,7 @@ LAYERS = {
     "train": 6,
     "status": 7,
     "report": 7,
+    "sample": 7,
     "__init__": 8,
 }
 APART = [{"learner", "syncer"}]  # the two processes share only what lies below them

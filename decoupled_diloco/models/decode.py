@@ -69,9 +69,22 @@ class Decoder:
       model: the language model (its parameters are read once, here).
       context: the longest sequence the model was trained on (`model.seq_len`): a prompt and
         its new tokens together may not exceed it (rotary positions past it were never seen).
+
+    Raises:
+      GenerationError: a model without a decode step.
     """
 
     def __init__(self, model: Any, context: int):
+        blocks = getattr(model, "blocks", None)
+        if (
+            not hasattr(model, "embed")
+            or not blocks
+            or not all(hasattr(b, "decode") for b in blocks)
+        ):
+            raise GenerationError(
+                f"{type(model).__name__} has no decode step (the built-in transformer and MoE "
+                "have one: `embed`, and `blocks` that `decode` with a KV cache)"
+            )
         self.graphdef, self.state = nnx.split(model)
         self.context = context
         self.vocab = model.embed.num_embeddings

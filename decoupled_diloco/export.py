@@ -1,0 +1,254 @@
+r"""A trained model as plain files: weights, config and tokenizer; and back as an nnx model.
+
+    python -m decoupled_diloco.export --workdir=runs/demo --out=runs/demo_model
+
+Every run with a workdir keeps its final global model in `WORKDIR/model/` (for decoupled, the
+syncer's global parameters as the evaluator pulled them); `export` copies it where you say,
+checked. The directory is readable without this framework:
+
+    model.safetensors   every parameter by its `/`-joined path ("blocks/0/attn/q/kernel")
+    params/             the same flat dict as an Orbax checkpoint (StandardCheckpointer)
+    config.json         the experiment config (the vocabulary resolved from the data)
+    model.json          format and version, the run's mode, steps, parameter count, tokenizer
+    tokenizer/          the run's tokenizer file (none for bytes)
+
+`load_model(DIR)` gives back the nnx model (and its tokenizer and config) for evaluation,
+sampling (`decoupled_diloco.sample`) or fine-tuning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from decoupled_diloco import config as config_lib
+from decoupled_diloco import tasks
+from decoupled_diloco.core.fragments import path_name
+from decoupled_diloco.data import shards as shards_lib
+from decoupled_diloco.data import tokenizer as tokenizer_lib
+
+FORMAT = "decoupled_diloco/model"
+VERSION = 1
+MODEL_DIR = "model"  # a run's own copy, under its workdir
+
+
+class ExportError(ValueError):
+    """A directory that is not a run or not a model, or one with a part missing; says which."""
+
+
+@dataclasses.dataclass
+class TrainedModel:
+    """A trained model rebuilt from its directory.
+
+    Attributes:
+      model: the nnx module, its parameters loaded.
+      config: the experiment config it was trained with.
+      tokenizer: its tokenizer (`data.tokenizer`), or None (not text).
+      info: `model.json`: mode, steps, parameter count, tokenizer facts.
+    """
+
+    model: Any
+    config: config_lib.ExperimentConfig
+    tokenizer: Any
+    info: dict[str, Any]
+
+
+def run_tokenizer(config: config_lib.ExperimentConfig) -> Any:
+    """The tokenizer of a built-in text run's data (a prepared directory's, or bytes); else None."""
+    if config.task or config.data.dataset != "text":
+        return None
+    path = pathlib.Path(config.data.path) if config.data.path else None
+    if path is None or not shards_lib.is_prepared(path):
+        return tokenizer_lib.ByteTokenizer()
+    info = shards_lib.read_manifest(path)["tokenizer"]
+    return tokenizer_lib.load_saved(path, info["kind"], info["file"], info["eos_id"])
+
+
+def flat_params(params: Any) -> dict[str, np.ndarray]:
+    """Every leaf by its `/`-joined path, as host numpy arrays."""
+    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
+    return {path_name(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def save_model(
+    out: pathlib.Path,
+    params: Any,
+    config: config_lib.ExperimentConfig,
+    facts: dict[str, Any],
+) -> pathlib.Path:
+    """Writes the model directory (see the module doc) atomically: a temporary one, renamed.
+
+    Args:
+      out: the directory to write (replaced if it exists).
+      params: the global parameters (the task's synced tree).
+      config: the run's config.
+      facts: what `model.json` adds about the run (mode, steps_done, ...).
+    """
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import save_file
+
+    out = pathlib.Path(out).absolute()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = dataclasses.replace(config, model=tasks.model_config(config))
+    flat = flat_params(params)
+    # (safetensors stores numpy's own dtypes: a bfloat16 leaf is written as float32.)
+    plain = {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in flat.items()}
+    save_file(plain, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp / "params", flat)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    tokenizer = run_tokenizer(config)
+    if tokenizer is not None and tokenizer.kind != "bytes":
+        (tmp / "tokenizer").mkdir()
+    info = {
+        "format": FORMAT,
+        "version": VERSION,
+        **facts,
+        "params": int(sum(v.size for v in flat.values())),
+        "tokenizer": None
+        if tokenizer is None
+        else {
+            "kind": tokenizer.kind,
+            "file": tokenizer.save(tmp / "tokenizer") if tokenizer.kind != "bytes" else "",
+            "eos_id": int(tokenizer.eos_id),
+            "digest": tokenizer.digest,
+        },
+    }
+    (tmp / "model.json").write_text(json.dumps(info, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def model_dir(path: str | pathlib.Path) -> pathlib.Path:
+    """The model directory of `path`: a run's workdir (its `model/`) or a model directory.
+
+    Raises:
+      ExportError: `path` is neither, or the run ended before it kept its model.
+    """
+    path = pathlib.Path(path)
+    if (path / "model.json").is_file():
+        return path
+    if (path / MODEL_DIR / "model.json").is_file():
+        return path / MODEL_DIR
+    if (path / "summary.json").is_file() or (path / "config.py").is_file():
+        raise ExportError(
+            f"{path} is a run without a saved model ({MODEL_DIR}/ is missing): it did not "
+            "finish, or finished before models were kept; train it (again) to the end"
+        )
+    raise ExportError(
+        f"{path} is not a run's workdir (no summary.json) nor a model directory (no "
+        "model.json): give the --workdir of a finished run or the --out of an export"
+    )
+
+
+def load_model(path: str | pathlib.Path) -> TrainedModel:
+    """The nnx model of a run's workdir or a model directory, its parameters loaded.
+
+    Raises:
+      ExportError: not a run or a model, another format version, or a part missing (the
+        tokenizer file, a parameter).
+    """
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from decoupled_diloco.models.mesh import make_island_mesh
+
+    directory = model_dir(path)
+    info = json.loads((directory / "model.json").read_text())
+    if info.get("format") != FORMAT or info.get("version") != VERSION:
+        raise ExportError(
+            f"{directory}/model.json: format {info.get('format')!r} version "
+            f"{info.get('version')!r}; this release reads {FORMAT!r} version {VERSION}"
+        )
+    config = config_lib.from_config_dict(json.loads((directory / "config.json").read_text()))
+    tokenizer = _tokenizer(directory, info.get("tokenizer"))
+    flat = load_file(str(directory / "model.safetensors"))
+    task = tasks.make_task(config)
+    with jax.set_mesh(make_island_mesh((1, 1), jax.devices()[:1])):  # the annotations need one
+        model = task.build_model(nnx.Rngs(config.seed))
+        graphdef, synced, local = task.split_states(model)
+        abstract = nnx.to_pure_dict(synced)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        missing = [path_name(p) for p, _ in paths if path_name(p) not in flat]
+        if missing:
+            raise ExportError(f"{directory}/model.safetensors lacks {missing[:3]} (and others)")
+        values = [
+            np.asarray(flat[path_name(p)]).astype(np.asarray(leaf).dtype) for p, leaf in paths
+        ]
+        nnx.replace_by_pure_dict(synced, jax.tree_util.tree_unflatten(treedef, values))
+        model = nnx.merge(graphdef, synced, local)
+    return TrainedModel(model, config, tokenizer, info)
+
+
+def _tokenizer(directory: pathlib.Path, info: dict[str, Any] | None) -> Any:
+    if info is None:
+        return None
+    if info["kind"] == "bytes":
+        return tokenizer_lib.ByteTokenizer()
+    path = directory / "tokenizer" / info["file"]
+    if not path.is_file():
+        raise ExportError(
+            f"{directory}: its tokenizer file tokenizer/{info['file']} is missing (the model's "
+            f"token ids mean nothing without it: {info['kind']}, digest {info['digest']})"
+        )
+    return tokenizer_lib.load_saved(directory / "tokenizer", info["kind"], info["file"],
+                                    info["eos_id"])  # fmt: skip
+
+
+def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
+    """Copies a run's model directory to `out`, after checking that it loads.
+
+    Raises:
+      ExportError: `workdir` is not a finished run, its model does not load, or `out` is
+        the run's own model directory.
+    """
+    source, out = model_dir(workdir), pathlib.Path(out).absolute()
+    if out == source.absolute():
+        raise ExportError(f"--out={out} is the run's own model directory")
+    load_model(source)  # (a model that does not load is not exported)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: Sequence[str]) -> None:
+    """`python -m decoupled_diloco.export --workdir=RUN --out=DIR`."""
+    from absl import flags
+
+    del argv
+    try:
+        out = export(flags.FLAGS.workdir, flags.FLAGS.out)
+    except ExportError as error:
+        sys.exit(f"export: {error}")
+    info = json.loads((out / "model.json").read_text())
+    print(
+        f"[export] {info['params']:,} parameters of a {info.get('mode')} run "
+        f"({info.get('steps_done')} steps) in {out}: model.safetensors, params/ (Orbax), "
+        "config.json, model.json" + (", tokenizer/" if (out / "tokenizer").exists() else ""),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+
+    flags.DEFINE_string("workdir", None, "A finished run's workdir (or a model directory).")
+    flags.DEFINE_string("out", None, "Where to write the model directory.")
+    flags.mark_flags_as_required(["workdir", "out"])
+    app.run(main)
