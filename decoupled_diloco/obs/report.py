@@ -308,6 +308,16 @@ def next_steps(config: Any, report: pathlib.Path, config_file: str = "") -> str:
     lines = [
         f"Report: {report} (plots in {workdir / REPORT_DIR}/)",
         "Next:",
+        *(
+            [
+                "  text from the model it trained (its final global model, kept in "
+                f"{workdir / 'model'}/):",
+                f'    {py} -m decoupled_diloco.sample --workdir={workdir} --prompt="def "',
+            ]
+            if (workdir / "model" / "model.json").exists()
+            and getattr(getattr(config, "data", None), "dataset", "text") == "text"
+            else []
+        ),
         "  compare dp, diloco and decoupled on the same data, seed and token budget:",
         f"    {py} -m experiments.compare --config={config_file} --workdir=runs/compare",
     ]
