@@ -18,7 +18,7 @@ from typing import Any
 
 import ml_collections
 
-from decoupled_diloco.config.checks import check
+from decoupled_diloco.config.checks import check, eval_sets
 from decoupled_diloco.config.derived import (
     budget_units,
     data_leases,
@@ -145,7 +145,7 @@ def from_config_dict(values: Mapping[str, Any] | ml_collections.ConfigDict) -> E
 
 
 def absolute_paths(config: ExperimentConfig, cwd: str | pathlib.Path = ".") -> ExperimentConfig:
-    """`config` with its file paths (`data.path`, `chaos`) resolved against `cwd`.
+    """`config` with its file paths (`data.path`, `chaos`, `eval.sets`) resolved against `cwd`.
 
     Entry points call it before any child process starts: children run from elsewhere (the
     launcher's from the package's root), so a relative path must mean the caller's file.
@@ -155,10 +155,12 @@ def absolute_paths(config: ExperimentConfig, cwd: str | pathlib.Path = ".") -> E
     def resolve(path: str) -> str:
         return str(base / pathlib.Path(path).expanduser()) if path else path
 
+    sets = ",".join(f"{n}={resolve(p)}" for n, p in eval_sets(config.eval.sets).items())
     return dataclasses.replace(
         config,
         chaos=resolve(config.chaos),
         data=dataclasses.replace(config.data, path=resolve(config.data.path)),
+        eval=dataclasses.replace(config.eval, sets=sets),
     )
 
 

@@ -37,6 +37,26 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise ConfigError(f"config.{field}: {message}")
 
 
+def eval_sets(sets: str) -> dict[str, str]:
+    """`eval.sets` as {name: path}, in the order given.
+
+    Raises:
+      ConfigError: an entry that is not NAME=PATH, a name that is not an identifier, or one
+        given twice.
+    """
+    named: dict[str, str] = {}
+    for entry in (e.strip() for e in sets.split(",") if e.strip()):
+        name, _, path = entry.partition("=")
+        name, path = name.strip(), path.strip()
+        _check(
+            bool(path) and name.isidentifier(), "eval.sets",
+            f"{entry!r}: expected NAME=PATH with NAME a word (letters, digits, _)",
+        )  # fmt: skip
+        _check(name not in named, "eval.sets", f"{name!r} is given twice")
+        named[name] = path
+    return named
+
+
 def _validate_decoupled(c: ExperimentConfig) -> None:
     d, s = c.decoupled, c.decoupled.syncer
     _check(d.fragments >= 1, "decoupled.fragments", f"must be >= 1, got {d.fragments}")
@@ -478,6 +498,7 @@ def check(config: ExperimentConfig, device_count: int | None = None) -> None:
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", "must be >= 0 (0: evaluate only at the end)")
     _check(c.eval.batches >= 1, "eval.batches", "must be >= 1")
+    eval_sets(c.eval.sets)
     if device_count is not None and c.mode != "decoupled":  # decoupled: one process each
         needed = c.num_learners * c.devices_per_learner
         _check(

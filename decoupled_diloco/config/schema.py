@@ -204,13 +204,20 @@ class CheckpointConfig:
 class EvalConfig:
     """Held-out evaluation every `every` inner steps on `batches` fixed validation batches.
 
+    Every evaluation reports the loss per token and, on text, bits per byte (docs/data.md).
+
     Attributes:
       every: evaluate the global model every N inner steps; 0: only at the end.
       batches: fixed validation batches per evaluation.
+      sets: more held-out sets, each with its own curve: "NAME=PATH,NAME=PATH", each PATH a
+        directory prepared with the run's tokenizer (its validation split is evaluated) or,
+        for a run on the byte corpus, text files; reported as `eval_NAME_loss` and
+        `eval_NAME_bpb` (`final_eval_NAME_*` in summary.json).
     """
 
     every: int = 100
     batches: int = 8
+    sets: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,16 +11,24 @@ scale (docs/data.md, "Bits per byte"). It is reported wherever the dataset knows
 validation targets stand for (`validation_bytes`: the built-in byte corpus and prepared
 directories; a user's dataset may declare it too) and the loss is the mean cross-entropy over
 every target token, as the built-in transformer's and MoE's are.
+
+`eval.sets` names more held-out sets (another prepared directory's validation split, say),
+evaluated beside the run's own with the same batches and reported under their names
+(`eval_NAME_loss`, `eval_NAME_bpb`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import pathlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from decoupled_diloco.config import ConfigError, ExperimentConfig
+from decoupled_diloco.config.checks import eval_sets
 
 
 def bits_per_byte(loss: float, targets: int, nbytes: int) -> float:
@@ -73,3 +81,66 @@ def held_out(dataset: Any, batch_size: int, num_batches: int) -> HeldOut:
     declared = getattr(dataset, "validation_bytes", None)
     nbytes = int(declared(batch_size, num_batches)) if targets and callable(declared) else None
     return HeldOut(batches, targets, nbytes or None)
+
+
+def held_out_sets(config: ExperimentConfig, dataset: Any) -> dict[str, HeldOut]:
+    """The run's own held-out set (named "") and each of `eval.sets`, in that order.
+
+    Raises:
+      ConfigError: a set that is not there, or tokenized with another tokenizer than the
+        run's data (its token ids would mean other text), or sets beside a dataset of a
+        user's own.
+    """
+    batch, count = config.data.batch_size, config.eval.batches
+    sets = {"": held_out(dataset, batch, count)}
+    for name, path in eval_sets(config.eval.sets).items():
+        sets[name] = held_out(_named_set(config, dataset, name, path), batch, count)
+    return sets
+
+
+def evaluate_sets(
+    sets: Mapping[str, HeldOut], metrics_of: Callable[[list[Any]], Mapping[str, float]]
+) -> dict[str, float]:
+    """Every set's metrics (`metrics_of(batches)`, with bits per byte).
+
+    The run's own set's are unprefixed; each named set's are NAME_METRIC.
+    """
+    out: dict[str, float] = {}
+    for name, held in sets.items():
+        metrics = held.with_bpb(metrics_of(held.batches))
+        out.update(metrics if not name else {f"{name}_{k}": v for k, v in metrics.items()})
+    return out
+
+
+def _named_set(config: ExperimentConfig, dataset: Any, name: str, path: str) -> Any:
+    from decoupled_diloco.data import dataset as dataset_lib
+    from decoupled_diloco.data import packed, shards
+    from decoupled_diloco.data import text as text_lib
+    from decoupled_diloco.data.tokenizer import ByteTokenizer
+
+    where = f"config.eval.sets: {name}={path}"
+    if isinstance(dataset, packed.PreparedDataset):
+        mine = dataset.identity["tokenizer"]
+    elif isinstance(dataset, dataset_lib.TextDataset):
+        mine = None  # the byte corpus: ids 0..255, no end-of-document token
+    else:
+        raise ConfigError(f"{where}: held-out sets beside a dataset of your own are not read")
+    if shards.is_prepared(path):
+        other = packed.PreparedDataset(path, config.model.seq_len, verify=config.data.verify)
+        theirs = other.identity["tokenizer"]
+        if theirs != mine:
+            raise ConfigError(
+                f"{where}: prepared with tokenizer {theirs}; the run's data is "
+                f"{mine or 'the byte corpus (give text files)'}: the same token ids must mean "
+                "the same text (prepare it with the run's tokenizer)"
+            )
+        return other
+    if not pathlib.Path(path).exists():
+        raise ConfigError(f"{where}: no such file or directory")
+    if mine not in (None, ByteTokenizer.digest):
+        raise ConfigError(
+            f"{where}: plain text is read as bytes, and this run's tokens are {mine}: prepare "
+            "it with the run's tokenizer (python -m decoupled_diloco.data.prepare)"
+        )
+    corpus = text_lib.load_corpus(path, config.data.val_fraction)
+    return dataset_lib.TextDataset(corpus, config.model.seq_len)

@@ -10,7 +10,7 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco.comm.client import SyncerClient
 from decoupled_diloco.core import fragments
 from decoupled_diloco.data.dataset import describe, load_dataset
-from decoupled_diloco.data.heldout import held_out
+from decoupled_diloco.data.heldout import evaluate_sets, held_out_sets
 from decoupled_diloco.island import Island
 
 
@@ -35,7 +35,7 @@ class GlobalEvaluator:
         self.num_leaves = len(specs)
         dataset = load_dataset(config, corpus, self.island.task)
         self.data_key, self.data_facts = describe(dataset)  # for the run's summary
-        self.held_out = held_out(dataset, config.data.batch_size, config.eval.batches)
+        self.sets = held_out_sets(config, dataset)
         self.metrics: dict[str, float] = {}
 
     def params(self) -> Any:
@@ -51,11 +51,12 @@ class GlobalEvaluator:
         """(global parameters, their mean validation loss); all metrics go to `metrics`.
 
         `metrics` holds the loss and the task's other metrics, and bits per byte (`bpb`) where
-        the data knows its bytes (`data.heldout`).
+        the data knows its bytes, for the run's held-out set and each of `eval.sets`
+        (`data.heldout`).
         """
         params = self.params()
-        self.metrics = self.held_out.with_bpb(
-            self.island.evaluate_metrics(params, self.held_out.batches)
+        self.metrics = evaluate_sets(
+            self.sets, lambda batches: self.island.evaluate_metrics(params, batches)
         )
         return params, self.metrics["loss"]
 

@@ -22,7 +22,7 @@ from decoupled_diloco import config as config_lib
 from decoupled_diloco import tasks
 from decoupled_diloco.core.compression import ring_allreduce_bytes
 from decoupled_diloco.data import dataset as dataset_lib
-from decoupled_diloco.data.heldout import held_out
+from decoupled_diloco.data.heldout import evaluate_sets, held_out_sets
 from decoupled_diloco.models.transformer import count_params
 from decoupled_diloco.obs import timeline as timeline_lib
 from decoupled_diloco.obs.metrics import MetricsWriter, Progress, make_writers, write_summary
@@ -99,7 +99,7 @@ class InProcessRun:
         if workdir is not None and corpus is None and task.dataset is None:
             dataset_lib.check_workdir_data(config, workdir)
         self.data = dataset_lib.load_dataset(config, corpus, task)
-        self.held_out = held_out(self.data, config.data.batch_size, config.eval.batches)
+        self.sets = held_out_sets(config, self.data)
         self.checkpoint_dir = (
             workdir / "checkpoints" if workdir and config.checkpoint.every else None
         )
@@ -173,10 +173,10 @@ class InProcessRun:
 
     def _evaluate(self) -> dict[str, float]:
         trainer = self.trainer
-        metrics = trainer.islands[0].evaluate_metrics(
-            trainer.global_params(), self.held_out.batches, trainer.eval_local()
-        )
-        return self.held_out.with_bpb(metrics)  # (and bits per byte, `data.heldout`)
+        params, local = trainer.global_params(), trainer.eval_local()
+        island = trainer.islands[0]
+        # Every held-out set (the run's and `eval.sets`), with bits per byte (`data.heldout`).
+        return evaluate_sets(self.sets, lambda b: island.evaluate_metrics(params, b, local))
 
     def _traffic(self, step: int) -> int:
         """Bytes all learners sent: a ring all-reduce every step (dp) or outer step (diloco)."""
