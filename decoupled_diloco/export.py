@@ -3,11 +3,12 @@ r"""A trained model as plain files: weights, config and tokenizer; and back as a
     python -m decoupled_diloco.export --workdir=runs/demo --out=runs/demo_model
 
 Every run with a workdir keeps its final global model in `WORKDIR/model/` (for decoupled, the
-syncer's global parameters as the evaluator pulled them); `export` copies it where you say,
-checked. The directory is readable without this framework:
+syncer's global parameters as the evaluator pulled them; the weights as safetensors only);
+`export` checks that it loads and writes it where you say, with an Orbax checkpoint of the
+same weights beside. The exported directory is readable without this framework:
 
     model.safetensors   every parameter by its `/`-joined path ("blocks/0/attn/q/kernel")
-    params/             the same flat dict as an Orbax checkpoint (StandardCheckpointer)
+    params/             the same flat dict as an Orbax checkpoint (exports; StandardCheckpointer)
     config.json         the experiment config (the vocabulary resolved from the data)
     model.json          format and version, the run's mode, steps, parameter count, tokenizer
     tokenizer/          the run's tokenizer file (none for bytes)
@@ -84,7 +85,7 @@ def save_model(
     config: config_lib.ExperimentConfig,
     facts: dict[str, Any],
 ) -> pathlib.Path:
-    """Writes the model directory (see the module doc) atomically: a temporary one, renamed.
+    """Writes a run's model directory (see the module doc; no Orbax copy) atomically.
 
     Args:
       out: the directory to write (replaced if it exists).
@@ -92,7 +93,6 @@ def save_model(
       config: the run's config.
       facts: what `model.json` adds about the run (mode, steps_done, ...).
     """
-    import orbax.checkpoint as ocp
     from safetensors.numpy import save_file
 
     out = pathlib.Path(out).absolute()
@@ -104,10 +104,6 @@ def save_model(
     # (safetensors stores numpy's own dtypes: a bfloat16 leaf is written as float32.)
     plain = {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in flat.items()}
     save_file(plain, str(tmp / "model.safetensors"), metadata={"format": FORMAT})
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp / "params", flat)
-    checkpointer.wait_until_finished()
-    checkpointer.close()
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
     tokenizer = run_tokenizer(config)
     if tokenizer is not None and tokenizer.kind != "bytes":
@@ -209,7 +205,7 @@ def _tokenizer(directory: pathlib.Path, info: dict[str, Any] | None) -> Any:
 
 
 def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
-    """Copies a run's model directory to `out`, after checking that it loads.
+    """A run's model directory at `out` with an Orbax checkpoint added, once it loads.
 
     Raises:
       ExportError: `workdir` is not a finished run, its model does not load, or `out` is
@@ -218,10 +214,17 @@ def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path
     source, out = model_dir(workdir), pathlib.Path(out).absolute()
     if out == source.absolute():
         raise ExportError(f"--out={out} is the run's own model directory")
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import load_file
+
     load_model(source)  # (a model that does not load is not exported)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("params"))
+    checkpointer = ocp.StandardCheckpointer()  # the same flat dict, for Orbax users
+    checkpointer.save(tmp / "params", load_file(str(source / "model.safetensors")))
+    checkpointer.wait_until_finished()
+    checkpointer.close()
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -22,7 +22,7 @@ RESULTS_DIR = RESULTS
 # RESULTS.md's reading order: quality first, then the decoupled mode, compression, WAN, faults,
 # scale, GPU; a benchmark not named here follows in alphabetical order.
 READING_ORDER = [
-    "quality", "decode", "decoupled", "defaults", "models", "muon", "merge_lag",
+    "quality", "tokens", "decode", "decoupled", "defaults", "models", "muon", "merge_lag",
     "compression", "transport", "sync_overhead", "wan",
     "chaos", "calibration", "goodput", "restart", "elastic", "security",
     "scale", "multihost", "throughput", "data", "demo", "gpu",
