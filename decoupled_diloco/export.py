@@ -150,12 +150,18 @@ def model_dir(path: str | pathlib.Path) -> pathlib.Path:
     )
 
 
-def load_model(path: str | pathlib.Path) -> TrainedModel:
+def load_model(path: str | pathlib.Path, import_task: bool = False) -> TrainedModel:
     """The nnx model of a run's workdir or a model directory, its parameters loaded.
 
+    Args:
+      path: the run's workdir, or a model directory (`export --out`).
+      import_task: allow a model of a user's own task: its `config.task` names a module that
+        is imported (its code runs), so only for directories you trust. The built-in models
+        need no import.
+
     Raises:
-      ExportError: not a run or a model, another format version, or a part missing (the
-        tokenizer file, a parameter).
+      ExportError: not a run or a model, another format version, a part missing (the
+        tokenizer file, a parameter), or a user's task without `import_task`.
     """
     from flax import nnx
     from safetensors.numpy import load_file
@@ -170,6 +176,11 @@ def load_model(path: str | pathlib.Path) -> TrainedModel:
             f"{info.get('version')!r}; this release reads {FORMAT!r} version {VERSION}"
         )
     config = config_lib.from_config_dict(json.loads((directory / "config.json").read_text()))
+    if config.task and not import_task:
+        raise ExportError(
+            f"{directory}: a model of the task {config.task!r}, which loading imports (its code "
+            "runs): pass import_task=True (--import_task) for a directory you trust"
+        )
     tokenizer = _tokenizer(directory, info.get("tokenizer"))
     flat = load_file(str(directory / "model.safetensors"))
     task = tasks.make_task(config)
@@ -180,7 +191,8 @@ def load_model(path: str | pathlib.Path) -> TrainedModel:
         paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         missing = [path_name(p) for p, _ in paths if path_name(p) not in flat]
         if missing:
-            raise ExportError(f"{directory}/model.safetensors lacks {missing[:3]} (and others)")
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise ExportError(f"{directory}/model.safetensors lacks {missing[:3]}{more}")
         values = [
             np.asarray(flat[path_name(p)]).astype(np.asarray(leaf).dtype) for p, leaf in paths
         ]
@@ -204,27 +216,39 @@ def _tokenizer(directory: pathlib.Path, info: dict[str, Any] | None) -> Any:
                                     info["eos_id"])  # fmt: skip
 
 
-def export(workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
+def export(
+    workdir: str | pathlib.Path, out: str | pathlib.Path, import_task: bool = False
+) -> pathlib.Path:
     """A run's model directory at `out` with an Orbax checkpoint added, once it loads.
+
+    `out` is created, or replaced if it holds an earlier export; nothing else is overwritten.
 
     Raises:
       ExportError: `workdir` is not a finished run, its model does not load, or `out` is
-        the run's own model directory.
+        the run, lies inside it or around it, or is a directory of something else.
     """
-    source, out = model_dir(workdir), pathlib.Path(out).absolute()
-    if out == source.absolute():
-        raise ExportError(f"--out={out} is the run's own model directory")
+    source, out = model_dir(workdir).resolve(), pathlib.Path(out).resolve()
+    run = source.parent if source.name == MODEL_DIR else source
+    for inside, outside in ((out, run), (run, out)):
+        if inside == outside or outside in inside.parents:
+            raise ExportError(f"--out={out}: the run's own directory {run}, inside or around it")
+    if out.exists() and any(out.iterdir()) and not (out / "model.json").is_file():
+        raise ExportError(f"--out={out} exists and holds something other than an export")
     import orbax.checkpoint as ocp
     from safetensors.numpy import load_file
 
-    load_model(source)  # (a model that does not load is not exported)
+    load_model(source, import_task)  # (a model that does not load is not exported)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("params"))
-    checkpointer = ocp.StandardCheckpointer()  # the same flat dict, for Orbax users
-    checkpointer.save(tmp / "params", load_file(str(source / "model.safetensors")))
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    try:
+        shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("params"))
+        checkpointer = ocp.StandardCheckpointer()  # the same flat dict, for Orbax users
+        checkpointer.save(tmp / "params", load_file(str(source / "model.safetensors")))
+        checkpointer.wait_until_finished()
+        checkpointer.close()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -236,7 +260,7 @@ def main(argv: Sequence[str]) -> None:
 
     del argv
     try:
-        out = export(flags.FLAGS.workdir, flags.FLAGS.out)
+        out = export(flags.FLAGS.workdir, flags.FLAGS.out, flags.FLAGS.import_task)
     except ExportError as error:
         sys.exit(f"export: {error}")
     info = json.loads((out / "model.json").read_text())
@@ -253,5 +277,6 @@ if __name__ == "__main__":
 
     flags.DEFINE_string("workdir", None, "A finished run's workdir (or a model directory).")
     flags.DEFINE_string("out", None, "Where to write the model directory.")
+    flags.DEFINE_bool("import_task", False, "Allow a user's task (its module is imported).")
     flags.mark_flags_as_required(["workdir", "out"])
     app.run(main)

@@ -73,7 +73,7 @@ def main(argv: Sequence[str]) -> None:
     del argv
     f = flags.FLAGS
     try:
-        trained = load_model(f.workdir)
+        trained = load_model(f.workdir, f.import_task)
         texts = generate(trained, list(f.prompt), f.max_new_tokens, f.temperature, f.top_k, f.seed)
     except (ExportError, GenerationError) as error:
         sys.exit(f"sample: {error}")
@@ -91,5 +91,6 @@ if __name__ == "__main__":
     flags.DEFINE_float("temperature", 1.0, "0: greedy; else the softmax temperature (>= 0).")
     flags.DEFINE_integer("top_k", 0, "Draw from the k likeliest tokens only (0: all).")
     flags.DEFINE_integer("seed", 0, "The draws' seed.")
+    flags.DEFINE_bool("import_task", False, "Allow a user's task (its module is imported).")
     flags.mark_flags_as_required(["workdir", "prompt"])
     app.run(main)

@@ -189,8 +189,9 @@ def _keep_model(
     params: Params | None,
 ) -> None:
     """The final global model in `workdir/model/` (`decoupled_diloco.export`), for sampling."""
-    if workdir is None or params is None or summary.get("steps_done", 0) < config.train_steps:
-        return  # (a run stopped early keeps its checkpoints, not a final model)
+    stopped = config.mode != "decoupled" and summary.get("steps_done", 0) < config.train_steps
+    if workdir is None or params is None or stopped:
+        return  # (a run stopped early, `stop_after`, keeps its checkpoints, not a final model)
     from decoupled_diloco import export
 
     facts = {k: summary.get(k) for k in ("mode", "num_learners", "steps_done", "tokens")}

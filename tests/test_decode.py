@@ -87,3 +87,12 @@ def test_sampling_is_seeded_and_top_k_keeps_to_the_likeliest(model):
 def test_bad_requests_are_named(model, prompts, kwargs, match):
     with pytest.raises(GenerationError, match=match):
         Decoder(model, context=CFG.seq_len).generate(prompts, **kwargs)
+
+
+def test_moe_decodes_each_prompt_as_alone_whatever_its_batch_and_capacity():
+    moe_cfg = config_lib.MoEConfig(num_experts=4, top_k=1, capacity_factor=0.5)  # tight
+    model = _built(lambda: moe_lib.MoETransformer(CFG, moe_cfg, nnx.Rngs(1)))
+    decoder = Decoder(model, context=CFG.seq_len)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7]]  # the short one padded in the batch
+    together = decoder.generate(prompts, 6, temperature=0.0)
+    assert together == [decoder.generate([p], 6, temperature=0.0)[0] for p in prompts]

@@ -122,3 +122,30 @@ def test_a_bpe_run_keeps_its_tokenizer_and_a_missing_one_is_named(tmp_path, corp
     (tmp_path / "run" / "model" / "tokenizer" / "tokenizer.json").unlink()
     with pytest.raises(export.ExportError, match="tokenizer file tokenizer/tokenizer.json"):
         dd.load_model(tmp_path / "run")
+
+
+def test_export_never_overwrites_the_run_or_a_directory_of_something_else(run, tmp_path):
+    workdir, _ = run
+    for out in (workdir, workdir / "model" / "inside", workdir.parent):
+        with pytest.raises(export.ExportError, match="inside or around it"):
+            export.export(workdir, out)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(export.ExportError, match="holds something other than an export"):
+        export.export(workdir, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert (workdir / "summary.json").exists() and (workdir / "model" / "model.json").exists()
+
+
+def test_a_users_task_is_imported_only_when_asked(run, tmp_path):
+    import shutil
+
+    workdir, _ = run
+    shutil.copytree(workdir / "model", tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    config["task"] = "untrusted.module:make_task"  # loading would import it and run its code
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(export.ExportError, match="import_task=True"):
+        dd.load_model(tmp_path / "model")
+    with pytest.raises(config_lib.ConfigError, match="untrusted"):  # asked: imported (absent)
+        dd.load_model(tmp_path / "model", import_task=True)

@@ -11,6 +11,8 @@ follow in reading order. Superseded runs live in benchmarks/history/.
 
 import argparse
 import datetime
+import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -36,8 +38,8 @@ def _relinked(text: str) -> str:
         target = match.group(2)
         if re.match(r"^([a-z]+:|#|/)", target):
             return match.group(0)
-        shown = (RESULTS_DIR / target).resolve().relative_to(ROOT / "benchmarks")
-        return f"{match.group(1)}({shown.as_posix()})"
+        shown = os.path.relpath((RESULTS_DIR / target).resolve(), ROOT / "benchmarks")
+        return f"{match.group(1)}({pathlib.PurePath(shown).as_posix()})"
 
     return re.sub(r"(!?\[[^\]]*\])\(([^)\s]+)\)", fix, text)
 

@@ -172,10 +172,15 @@ class MoEBlock(nnx.Module):
     def decode(
         self, x_ND: jax.Array, batch: int, cache: KVCache, at: Decoding
     ) -> tuple[jax.Array, KVCache]:
-        """`__call__` for decoding: attention over the cache; this call's tokens routed."""
+        """`__call__` for decoding: attention over the cache; each token routed on its own.
+
+        A routing group of one token: no token is dropped for capacity (in training a group is
+        a sequence, whose tokens compete for each expert's slots), and the padding before a
+        shorter prompt takes no slot from real tokens.
+        """
         h_ND, cache = self.attn.decode(self.attn_norm(x_ND), batch, cache, at)
         x_ND = x_ND + h_ND
-        y_GSD, _ = self.moe(self.mlp_norm(x_ND).reshape(batch, -1, x_ND.shape[-1]))
+        y_GSD, _ = self.moe(self.mlp_norm(x_ND)[:, None, :])
         return x_ND + y_GSD.reshape(x_ND.shape).astype(x_ND.dtype), cache
 
 
