@@ -25,6 +25,7 @@ import sys
 
 from decoupled_diloco.data import prepare
 from decoupled_diloco.data.text import default_corpus_root
+from decoupled_diloco.local.runs import finished, resolve
 from tools.benchkit import ROOT, Section, train
 
 CONFIG = "experiments/configs/tiny_lm.py"
@@ -85,7 +86,9 @@ def main() -> None:
     parser.add_argument("--inner_steps", type=int, default=50, help="H")
     parser.add_argument("--eval_batches", type=int, default=16)
     parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--only", default="", help="comma-separated row names")
+    parser.add_argument(
+        "--only", default="", help="comma-separated row names to run (finished others shown)"
+    )
     args = parser.parse_args()
     workroot = pathlib.Path(args.workroot)
     section = Section("tokens")
@@ -101,10 +104,11 @@ def main() -> None:
     chosen = [x for x in args.only.split(",") if x]
     results: dict[str, dict] = {}
     for name, overrides in rows(args):
-        if chosen and name not in chosen:
-            continue
         tag = name.replace(" ", "_").replace("=", "")
-        results[name] = train(workroot / tag, CONFIG, {**common, **overrides}, tag="bench_tokens")
+        run = {**common, **overrides}
+        if chosen and name not in chosen and not finished(workroot / tag, resolve(CONFIG, run)):
+            continue  # (a row not asked for is shown if it has run with these settings)
+        results[name] = train(workroot / tag, CONFIG, run, tag="bench_tokens")
         section.write(args.out, render(results, args, section, prepared))
     section.write(args.out, render(results, args, section, prepared))
 
