@@ -60,6 +60,15 @@ class TrainedModel:
     config: config_lib.ExperimentConfig
     tokenizer: Any
     info: dict[str, Any]
+    _decoder: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    def decoder(self) -> Any:
+        """The model's `models.decode.Decoder`, made once: its compiled steps are reused."""
+        if self._decoder is None:
+            from decoupled_diloco.models.decode import Decoder
+
+            self._decoder = Decoder(self.model, context=self.config.model.seq_len)
+        return self._decoder
 
 
 def run_tokenizer(config: config_lib.ExperimentConfig) -> Any:

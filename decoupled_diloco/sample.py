@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from decoupled_diloco.export import ExportError, TrainedModel, load_model
-from decoupled_diloco.models.decode import Decoder, GenerationError
+from decoupled_diloco.models.decode import GenerationError
 
 
 def generate(
@@ -53,8 +53,7 @@ def generate(
         raise GenerationError("this model was not trained on text (it has no tokenizer)")
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     ids = [ids.tolist() for ids in trained.tokenizer.encode_batch(texts)]
-    decoder = Decoder(trained.model, context=trained.config.model.seq_len)
-    new = decoder.generate(ids, max_new_tokens, temperature, top_k, seed)
+    new = trained.decoder().generate(ids, max_new_tokens, temperature, top_k, seed)
     eos = trained.tokenizer.eos_id
     out = [trained.tokenizer.decode(_until(row, eos)) for row in new]
     return out[0] if isinstance(prompts, str) else out

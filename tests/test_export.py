@@ -79,6 +79,8 @@ def test_a_loaded_model_evaluates_as_the_run_did_and_samples(run, corpus):
     assert isinstance(greedy, str)
     batch = dd.generate(trained, ["def ", "import"], max_new_tokens=8, temperature=0.0)
     assert batch[0] == greedy  # a prompt decodes the same alone or in a batch
+    dd.generate(trained, "for ", max_new_tokens=8, temperature=0.0)  # (the same shape)
+    assert trained.decoder().compiles == 4  # per shape (1 and 2 prompts), not per call
 
 
 def test_the_sample_command_prints_continuations_and_names_bad_input(run, tmp_path):
